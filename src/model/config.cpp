@@ -1,0 +1,112 @@
+#include "model/config.h"
+
+#include "core/error.h"
+
+namespace moe {
+
+void ModelConfig::validate(const std::string& source) const {
+  auto positive = [&](int64_t v, const char* field) {
+    MOE_CHECK(v > 0, "{}: field '{}' must be a positive integer, got {}", source, field, v);
+  };
+  MOE_CHECK(model_type == "deepseek_v3" || model_type == "deepseek_v2",
+            "{}: field 'model_type' must be \"deepseek_v3\" or \"deepseek_v2\", got \"{}\"", source,
+            model_type);
+  positive(vocab_size, "vocab_size");
+  positive(hidden_size, "hidden_size");
+  positive(num_hidden_layers, "num_hidden_layers");
+  positive(num_attention_heads, "num_attention_heads");
+  positive(kv_lora_rank, "kv_lora_rank");
+  positive(qk_rope_head_dim, "qk_rope_head_dim");
+  positive(v_head_dim, "v_head_dim");
+  MOE_CHECK(qk_nope_head_dim >= 0, "{}: field 'qk_nope_head_dim' must be >= 0, got {}", source,
+            qk_nope_head_dim);
+  MOE_CHECK(qk_rope_head_dim % 2 == 0, "{}: field 'qk_rope_head_dim' must be even, got {}", source,
+            qk_rope_head_dim);
+  MOE_CHECK(q_lora_rank >= 0, "{}: field 'q_lora_rank' must be >= 0 or null, got {}", source,
+            q_lora_rank);
+  MOE_CHECK(!tie_word_embeddings, "{}: field 'tie_word_embeddings' must be false (DeepSeek models "
+            "use an untied LM head)", source);
+  MOE_CHECK(first_k_dense_replace >= 0 && first_k_dense_replace <= num_hidden_layers,
+            "{}: field 'first_k_dense_replace' must be in [0, num_hidden_layers={}], got {}", source,
+            num_hidden_layers, first_k_dense_replace);
+  MOE_CHECK(moe_layer_freq == 1, "{}: field 'moe_layer_freq' must be 1, got {}", source,
+            moe_layer_freq);
+  if (first_k_dense_replace > 0 || n_routed_experts == 0) positive(intermediate_size, "intermediate_size");
+  MOE_CHECK(rms_norm_eps > 0, "{}: field 'rms_norm_eps' must be > 0", source);
+  MOE_CHECK(rope_theta > 0, "{}: field 'rope_theta' must be > 0", source);
+  MOE_CHECK(rope_scaling.type.empty() || rope_scaling.type == "yarn",
+            "{}: field 'rope_scaling.type' must be \"yarn\" or absent, got \"{}\"", source,
+            rope_scaling.type);
+  if (rope_scaling.is_yarn()) {
+    MOE_CHECK(rope_scaling.factor > 0, "{}: field 'rope_scaling.factor' must be > 0", source);
+    positive(rope_scaling.original_max_position_embeddings,
+             "rope_scaling.original_max_position_embeddings");
+  }
+  MOE_CHECK(torch_dtype == "float32" || torch_dtype == "bfloat16",
+            "{}: field 'torch_dtype' must be \"float32\" or \"bfloat16\", got \"{}\"", source,
+            torch_dtype);
+  if (n_routed_experts > 0) {
+    positive(moe_intermediate_size, "moe_intermediate_size");
+    MOE_CHECK(n_shared_experts >= 0, "{}: field 'n_shared_experts' must be >= 0", source);
+    MOE_CHECK(num_experts_per_tok >= 1 && num_experts_per_tok <= n_routed_experts,
+              "{}: field 'num_experts_per_tok' must be in [1, n_routed_experts={}], got {}", source,
+              n_routed_experts, num_experts_per_tok);
+    MOE_CHECK(n_group >= 1 && n_routed_experts % n_group == 0,
+              "{}: field 'n_group' must divide n_routed_experts={}, got {}", source,
+              n_routed_experts, n_group);
+    MOE_CHECK(topk_group >= 1 && topk_group <= n_group,
+              "{}: field 'topk_group' must be in [1, n_group={}], got {}", source, n_group,
+              topk_group);
+    MOE_CHECK(topk_method == "noaux_tc" || topk_method == "group_limited_greedy" ||
+                  topk_method == "greedy",
+              "{}: field 'topk_method' must be \"noaux_tc\", \"group_limited_greedy\" or "
+              "\"greedy\", got \"{}\"", source, topk_method);
+    MOE_CHECK(scoring_func == "sigmoid" || scoring_func == "softmax",
+              "{}: field 'scoring_func' must be \"sigmoid\" or \"softmax\", got \"{}\"", source,
+              scoring_func);
+    if (n_group > 1 && topk_method == "noaux_tc")
+      MOE_CHECK(n_routed_experts / n_group >= 2,
+                "{}: noaux_tc group scoring needs at least 2 experts per group (n_routed_experts / "
+                "n_group), got {}", source, n_routed_experts / n_group);
+    MOE_CHECK(num_experts_per_tok <= topk_group * (n_routed_experts / n_group),
+              "{}: field 'num_experts_per_tok' ({}) exceeds the experts in topk_group groups ({})",
+              source, num_experts_per_tok, topk_group * (n_routed_experts / n_group));
+  }
+}
+
+ParamCounts count_params(const ModelConfig& c) {
+  const int64_t d = c.hidden_size, H = c.num_attention_heads;
+  int64_t attn = 0;
+  if (c.q_lora_rank > 0)
+    attn += c.q_lora_rank * d + c.q_lora_rank + H * c.qk_head_dim() * c.q_lora_rank;
+  else
+    attn += H * c.qk_head_dim() * d;
+  attn += (c.kv_lora_rank + c.qk_rope_head_dim) * d + c.kv_lora_rank;
+  attn += H * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank;
+  attn += d * H * c.v_head_dim;
+  const int64_t norms = 2 * d;
+  const int64_t dense_ffn = 3 * d * c.intermediate_size;
+  const int64_t expert = 3 * d * c.moe_intermediate_size;
+  const int64_t moe_fixed = c.n_routed_experts * d + c.n_shared_experts * expert;  // router, shared
+  ParamCounts p;
+  p.total = 2 * c.vocab_size * d + d;
+  p.active_per_token = c.vocab_size * d + d;      // LM head + final norm
+  p.active_per_token += d;                        // the token's embedding row
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    int64_t layer = attn + norms;
+    int64_t active = layer;
+    if (c.is_moe_layer(l)) {
+      layer += moe_fixed + c.n_routed_experts * expert;
+      active += moe_fixed + c.num_experts_per_tok * expert;
+      p.routed_expert += c.n_routed_experts * expert;
+    } else {
+      layer += dense_ffn;
+      active += dense_ffn;
+    }
+    p.total += layer;
+    p.active_per_token += active;
+  }
+  return p;
+}
+
+}  // namespace moe

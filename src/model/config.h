@@ -1,0 +1,70 @@
+#pragma once
+// DeepSeek-V3 family hyper-parameters, named after the Hugging Face config.json fields.
+#include <cstdint>
+#include <string>
+
+namespace moe {
+
+struct RopeScaling {
+  std::string type;  // "" (none) or "yarn"
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 4096;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+  bool is_yarn() const { return type == "yarn"; }
+};
+
+struct ModelConfig {
+  std::string model_type = "deepseek_v3";  // or "deepseek_v2"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;       // dense FFN width
+  int64_t moe_intermediate_size = 0;   // per routed expert
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t first_k_dense_replace = 0;
+  int64_t moe_layer_freq = 1;
+  int64_t n_routed_experts = 0;        // 0 = dense model
+  int64_t n_shared_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  std::string topk_method = "noaux_tc";  // noaux_tc | group_limited_greedy | greedy
+  std::string scoring_func = "sigmoid";  // sigmoid | softmax
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 1.0;
+  double aux_loss_alpha = 0.0;          // sequence-wise auxiliary loss coefficient (0 = off)
+  bool seq_aux = true;
+  int64_t q_lora_rank = 0;              // 0 = a single q_proj
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  int64_t max_position_embeddings = 4096;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  std::string torch_dtype = "float32";  // dtype used when saving: float32 | bfloat16
+  int64_t bos_token_id = 0;
+  int64_t eos_token_id = 1;
+
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  bool is_moe_layer(int64_t layer) const {
+    return n_routed_experts > 0 && layer >= first_k_dense_replace && layer % moe_layer_freq == 0;
+  }
+  // Raises moe::Error naming the first inconsistent field.
+  void validate(const std::string& source) const;
+};
+
+struct ParamCounts {
+  int64_t total = 0;
+  int64_t active_per_token = 0;  // embedding row + everything but the unchosen routed experts
+  int64_t routed_expert = 0;     // all routed expert weights
+};
+
+ParamCounts count_params(const ModelConfig& c);
+
+}  // namespace moe

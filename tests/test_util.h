@@ -1,0 +1,74 @@
+#pragma once
+// Shared helpers for the op tests: random inputs, error metrics, finite differences.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "core/rng.h"
+#include "core/tensor.h"
+
+namespace moe::testing {
+
+inline Tensor random_tensor(const Shape& shape, Rng& rng, float scale = 1.0f,
+                            MemCategory cat = MemCategory::Scratch) {
+  Tensor t = Tensor::empty(shape, DType::F32, cat);
+  float* p = t.f32();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = scale * rng.normal();
+  return t;
+}
+
+inline void fill_random(const Tensor& t, Rng& rng, float scale = 1.0f) {
+  float* p = t.f32();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = scale * rng.normal();
+}
+
+// ||a - b|| / max(||b||, floor): the norm-wise relative error used by every comparison.
+template <typename A, typename B>
+double rel_error(const A* a, const B* b, int64_t n, double floor = 1e-30) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(a[i]) - static_cast<double>(b[i]);
+    num += d * d;
+    den += static_cast<double>(b[i]) * static_cast<double>(b[i]);
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), floor);
+}
+
+inline double max_abs(const float* a, int64_t n) {
+  double m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(static_cast<double>(a[i])));
+  return m;
+}
+
+// Central finite differences of a scalar loss (evaluated in double over fp32 forwards) with
+// respect to up to `max_checks` entries of `x`, compared with `analytic`. Returns the worst
+// relative error, each entry judged against max(|fd|, |analytic|, abs_floor).
+inline double finite_difference_check(const std::function<double()>& loss, float* x,
+                                      const float* analytic, int64_t n, float eps = 1e-2f,
+                                      int64_t max_checks = 64, double abs_floor = 1e-3) {
+  double worst = 0;
+  const int64_t stride = std::max<int64_t>(1, n / max_checks);
+  for (int64_t i = 0; i < n; i += stride) {
+    const float orig = x[i];
+    x[i] = orig + eps;
+    const double lp = loss();
+    x[i] = orig - eps;
+    const double lm = loss();
+    x[i] = orig;
+    const double fd = (lp - lm) / (2.0 * static_cast<double>(eps));
+    const double denom = std::max({std::fabs(fd), std::fabs(static_cast<double>(analytic[i])), abs_floor});
+    worst = std::max(worst, std::fabs(fd - analytic[i]) / denom);
+  }
+  return worst;
+}
+
+// Projection loss sum(y * r) for a fixed random r, so every output contributes to the gradient.
+inline double dot(const float* y, const float* r, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(y[i]) * static_cast<double>(r[i]);
+  return s;
+}
+
+}  // namespace moe::testing
