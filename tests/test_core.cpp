@@ -99,3 +99,13 @@ TEST(Gemm, BitwiseSameForOneAndTwoThreads) {
   linear_backward_weight(dy.f32(), x.f32(), dW2.f32(), T, in, out);
   EXPECT_EQ(std::memcmp(dW1.raw(), dW2.raw(), static_cast<size_t>(dW1.nbytes())), 0);
 }
+
+TEST(Tensor, NarrowSharesStorage) {
+  Tensor t = Tensor::zeros({4, 3, 2}, DType::F32, MemCategory::Scratch);
+  Tensor e2 = t.narrow(2, 1);
+  EXPECT_EQ(e2.shape(), (Shape{1, 3, 2}));
+  e2.f32()[5] = 7.0f;
+  EXPECT_EQ(t.f32()[2 * 6 + 5], 7.0f);
+  EXPECT_EQ(t.narrow(4, 0).numel(), 0);
+  EXPECT_THROW(t.narrow(3, 2), Error);
+}

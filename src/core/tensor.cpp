@@ -1,6 +1,7 @@
 #include "core/tensor.h"
 
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
@@ -82,6 +83,15 @@ Tensor Tensor::view(const Shape& shape) const {
             shape_str(shape));
   Tensor t = *this;
   t.shape_ = shape;
+  return t;
+}
+
+Tensor Tensor::narrow(int64_t begin, int64_t length) const {
+  MOE_CHECK(ndim() >= 1 && begin >= 0 && length >= 0 && begin + length <= shape_[0],
+            "cannot narrow {} to rows [{}, {})", shape_str(shape_), begin, begin + length);
+  Tensor t = *this;
+  t.shape_[0] = length;
+  t.offset_bytes_ += begin * (numel() / std::max<int64_t>(shape_[0], 1)) * dtype_size(dtype_);
   return t;
 }
 

@@ -44,7 +44,7 @@ class Tensor {
   }
 
   bool defined() const { return storage_ != nullptr; }
-  void reset() { storage_.reset(), shape_.clear(); }
+  void reset() { storage_.reset(), shape_.clear(), offset_bytes_ = 0; }
   const Shape& shape() const { return shape_; }
   int64_t ndim() const { return static_cast<int64_t>(shape_.size()); }
   int64_t dim(int64_t i) const { return shape_[static_cast<size_t>(i < 0 ? i + ndim() : i)]; }
@@ -53,7 +53,9 @@ class Tensor {
   DType dtype() const { return dtype_; }
   MemCategory category() const { return storage_ ? storage_->category() : MemCategory::Scratch; }
 
-  void* raw() const { return storage_ ? storage_->data() : nullptr; }
+  void* raw() const {
+    return storage_ && storage_->data() ? static_cast<char*>(storage_->data()) + offset_bytes_ : nullptr;
+  }
   float* f32() const;
   uint16_t* bf16() const;
   int32_t* i32() const;
@@ -61,6 +63,8 @@ class Tensor {
 
   // Same storage, another shape with the same element count.
   Tensor view(const Shape& shape) const;
+  // Rows [begin, begin + length) along dim 0, sharing storage (e.g. one expert of [E, out, in]).
+  Tensor narrow(int64_t begin, int64_t length) const;
   void zero() const;
   Tensor clone(MemCategory category) const;
   // F32 <-> BF16 (or same-type copy) into a new tensor.
@@ -71,6 +75,7 @@ class Tensor {
   std::shared_ptr<Storage> storage_;
   Shape shape_;
   DType dtype_ = DType::F32;
+  int64_t offset_bytes_ = 0;
 };
 
 }  // namespace moe

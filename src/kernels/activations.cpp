@@ -1,0 +1,90 @@
+#include "kernels/activations.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/parallel.h"
+
+namespace moe {
+
+namespace {
+constexpr int64_t kElemChunk = 4096;
+
+template <typename F>
+void for_chunks(int64_t n, F&& body) {
+  const int64_t chunks = (n + kElemChunk - 1) / kElemChunk;
+  parallel_for(0, chunks, [&](int64_t c) {
+    const int64_t lo = c * kElemChunk, hi = std::min(n, lo + kElemChunk);
+    body(lo, hi);
+  });
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+}  // namespace
+
+void swiglu_forward(const float* g, const float* u, float* h, int64_t n) {
+  for_chunks(n, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) h[i] = g[i] * sigmoid(g[i]) * u[i];
+  });
+}
+
+void swiglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du,
+                     int64_t n) {
+  for_chunks(n, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float gi = g[i], ui = u[i], s = sigmoid(gi), d = dh[i];
+      dg[i] = d * ui * (s * (1.0f + gi * (1.0f - s)));
+      du[i] = d * gi * s;
+    }
+  });
+}
+
+void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, int64_t rows,
+                     int64_t dim, float eps) {
+  parallel_for(0, rows, [&](int64_t r) {
+    const float* xr = x + r * dim;
+    double ss = 0;
+    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float rs = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(dim) + eps));
+    if (rstd) rstd[r] = rs;
+    float* yr = y + r * dim;
+    for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * rs * w[i];
+  });
+}
+
+void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
+                      float* dw, int64_t rows, int64_t dim) {
+  parallel_for(0, rows, [&](int64_t r) {
+    const float* xr = x + r * dim;
+    const float* dyr = dy + r * dim;
+    const double rs = rstd[r];
+    double dot = 0;
+    for (int64_t i = 0; i < dim; ++i) dot += static_cast<double>(dyr[i]) * w[i] * xr[i];
+    const double c = dot * rs * rs * rs / static_cast<double>(dim);
+    float* dxr = dx + r * dim;
+    for (int64_t i = 0; i < dim; ++i)
+      dxr[i] = static_cast<float>(rs * dyr[i] * w[i] - c * xr[i]);
+  });
+  if (!dw) return;
+  // Column blocks own their sums, rows are visited in order: same bits for any thread count.
+  const int64_t blocks = (dim + 63) / 64;
+  parallel_for(0, blocks, [&](int64_t b) {
+    const int64_t lo = b * 64, hi = std::min(dim, lo + 64);
+    double acc[64] = {};
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * dim;
+      const float* dyr = dy + r * dim;
+      const double rs = rstd[r];
+      for (int64_t i = lo; i < hi; ++i) acc[i - lo] += static_cast<double>(dyr[i]) * xr[i] * rs;
+    }
+    for (int64_t i = lo; i < hi; ++i) dw[i] += static_cast<float>(acc[i - lo]);
+  });
+}
+
+void add_inplace(float* y, const float* x, int64_t n) {
+  for_chunks(n, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) y[i] += x[i];
+  });
+}
+
+}  // namespace moe

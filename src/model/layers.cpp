@@ -1,0 +1,174 @@
+#include "model/layers.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/activations.h"
+#include "kernels/gemm.h"
+
+namespace moe {
+
+static Tensor activation(const Shape& shape) {
+  return Tensor::empty(shape, DType::F32, MemCategory::Activations);
+}
+
+// ---------------------------------------------------------------- Linear
+
+void Linear::init(const std::string& name, int64_t in_features, int64_t out_features) {
+  in = in_features;
+  out = out_features;
+  weight.init(name, {out, in}, /*decay=*/true);
+}
+
+Tensor Linear::forward(const Tensor& x, Pass pass) {
+  MOE_CHECK(x.ndim() == 2 && x.dim(1) == in, "{}: expected input [T, {}], got {}", weight.name, in,
+            shape_str(x.shape()));
+  const int64_t T = x.dim(0);
+  Tensor y = activation({T, out});
+  linear_forward(x.f32(), weight.w(), y.f32(), T, in, out);
+  if (needs_backward(pass)) saved_input_ = x;
+  return y;
+}
+
+void Linear::accumulate_weight_grad(const Tensor& dy) {
+  MOE_CHECK(saved_input_.defined(), "{}: backward without a training forward", weight.name);
+  if (weight.grad.defined())
+    linear_backward_weight(dy.f32(), saved_input_.f32(), weight.g(), dy.dim(0), in, out);
+  saved_input_.reset();
+}
+
+Tensor Linear::backward(const Tensor& dy) {
+  Tensor dx = activation({dy.dim(0), in});
+  linear_backward_input(dy.f32(), weight.w(), dx.f32(), dy.dim(0), in, out, false);
+  accumulate_weight_grad(dy);
+  return dx;
+}
+
+void Linear::backward_accumulate(const Tensor& dy, const Tensor& dx) {
+  linear_backward_input(dy.f32(), weight.w(), dx.f32(), dy.dim(0), in, out, true);
+  accumulate_weight_grad(dy);
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+void RMSNorm::init(const std::string& name, int64_t d, double epsilon) {
+  dim = d;
+  eps = static_cast<float>(epsilon);
+  weight.init(name, {dim}, /*decay=*/false);
+  float* w = weight.w();
+  std::fill(w, w + dim, 1.0f);
+}
+
+Tensor RMSNorm::forward(const Tensor& x, Pass pass) {
+  MOE_CHECK(x.ndim() == 2 && x.dim(1) == dim, "{}: expected input [T, {}], got {}", weight.name,
+            dim, shape_str(x.shape()));
+  const int64_t T = x.dim(0);
+  Tensor y = activation({T, dim});
+  Tensor rstd = needs_backward(pass) ? activation({T}) : Tensor();
+  rmsnorm_forward(x.f32(), weight.w(), y.f32(), rstd.defined() ? rstd.f32() : nullptr, T, dim, eps);
+  if (needs_backward(pass)) {
+    saved_input_ = x;
+    saved_rstd_ = rstd;
+  }
+  return y;
+}
+
+Tensor RMSNorm::backward(const Tensor& dy) {
+  MOE_CHECK(saved_input_.defined(), "{}: backward without a training forward", weight.name);
+  const int64_t T = dy.dim(0);
+  Tensor dx = activation({T, dim});
+  rmsnorm_backward(saved_input_.f32(), weight.w(), saved_rstd_.f32(), dy.f32(), dx.f32(),
+                   weight.grad.defined() ? weight.g() : nullptr, T, dim);
+  saved_input_.reset();
+  saved_rstd_.reset();
+  return dx;
+}
+
+// ---------------------------------------------------------------- Embedding
+
+void Embedding::init(const std::string& name, int64_t vocab_size, int64_t d) {
+  vocab = vocab_size;
+  dim = d;
+  weight.init(name, {vocab, dim}, /*decay=*/true);
+}
+
+Tensor Embedding::forward(const Tensor& tokens, Pass pass) {
+  const int64_t T = tokens.numel();
+  const int32_t* ids = tokens.i32();
+  for (int64_t t = 0; t < T; ++t)
+    MOE_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id {} at position {} is outside the vocabulary "
+              "[0, {})", ids[t], t, vocab);
+  Tensor y = activation({T, dim});
+  const float* w = weight.w();
+  float* out = y.f32();
+  parallel_for(0, T, [&](int64_t t) {
+    std::copy(w + ids[t] * dim, w + (ids[t] + 1) * dim, out + t * dim);
+  });
+  if (needs_backward(pass)) saved_tokens_ = tokens;
+  return y;
+}
+
+void Embedding::backward(const Tensor& dy) {
+  MOE_CHECK(saved_tokens_.defined(), "{}: backward without a training forward", weight.name);
+  if (weight.grad.defined()) {
+    const int32_t* ids = saved_tokens_.i32();
+    const int64_t T = saved_tokens_.numel();
+    const float* d = dy.f32();
+    float* g = weight.g();
+    // Column blocks own their slices and visit tokens in order: deterministic scatter-add.
+    const int64_t blocks = (dim + 63) / 64;
+    parallel_for(0, blocks, [&](int64_t b) {
+      const int64_t lo = b * 64, hi = std::min(dim, lo + 64);
+      for (int64_t t = 0; t < T; ++t) {
+        float* gr = g + ids[t] * dim;
+        const float* dr = d + t * dim;
+        for (int64_t i = lo; i < hi; ++i) gr[i] += dr[i];
+      }
+    });
+  }
+  saved_tokens_.reset();
+}
+
+// ---------------------------------------------------------------- SwiGLU
+
+void SwiGLU::init(const std::string& prefix, int64_t d, int64_t h) {
+  dim = d;
+  hidden = h;
+  gate.init(prefix + "gate_proj.weight", dim, hidden);
+  up.init(prefix + "up_proj.weight", dim, hidden);
+  down.init(prefix + "down_proj.weight", hidden, dim);
+}
+
+void SwiGLU::collect(ParamList& out) {
+  gate.collect(out);
+  up.collect(out);
+  down.collect(out);
+}
+
+Tensor SwiGLU::forward(const Tensor& x, Pass pass) {
+  Tensor g = gate.forward(x, pass);
+  Tensor u = up.forward(x, pass);
+  Tensor h = activation(g.shape());
+  swiglu_forward(g.f32(), u.f32(), h.f32(), h.numel());
+  if (needs_backward(pass)) {
+    saved_gate_ = g;
+    saved_up_ = u;
+  }
+  return down.forward(h, pass);
+}
+
+Tensor SwiGLU::backward(const Tensor& dy) {
+  MOE_CHECK(saved_gate_.defined(), "{}: backward without a training forward", gate.weight.name);
+  Tensor dh = down.backward(dy);
+  // dg and du overwrite the saved pre-activations: they are not needed afterwards.
+  swiglu_backward(saved_gate_.f32(), saved_up_.f32(), dh.f32(), saved_gate_.f32(),
+                  saved_up_.f32(), dh.numel());
+  Tensor dx = gate.backward(saved_gate_);
+  up.backward_accumulate(saved_up_, dx);
+  saved_gate_.reset();
+  saved_up_.reset();
+  return dx;
+}
+
+}  // namespace moe

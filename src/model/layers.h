@@ -1,0 +1,81 @@
+#pragma once
+// The small building blocks of a DeepSeek block. Convention for every layer in the engine:
+//   forward(x, pass)  -> output; saves only what backward needs, and only when
+//                        needs_backward(pass);
+//   backward(dy)      -> input gradient; accumulates parameter gradients (when allocated) and
+//                        releases everything forward saved.
+// Saved tensors are shared references (no copies) charged to MemCategory::Activations.
+#include <string>
+
+#include "model/param.h"
+
+namespace moe {
+
+class Linear {
+ public:
+  void init(const std::string& name, int64_t in, int64_t out);
+  Tensor forward(const Tensor& x, Pass pass);
+  Tensor backward(const Tensor& dy);
+  // dx += dy·W, for layers whose input feeds several linears.
+  void backward_accumulate(const Tensor& dy, const Tensor& dx);
+  void collect(ParamList& out) { out.push_back(&weight); }
+  bool has_saved() const { return saved_input_.defined(); }
+
+  Param weight;
+  int64_t in = 0, out = 0;
+
+ private:
+  void accumulate_weight_grad(const Tensor& dy);
+  Tensor saved_input_;
+};
+
+class RMSNorm {
+ public:
+  void init(const std::string& name, int64_t dim, double eps);
+  Tensor forward(const Tensor& x, Pass pass);
+  Tensor backward(const Tensor& dy);
+  void collect(ParamList& out) { out.push_back(&weight); }
+  bool has_saved() const { return saved_input_.defined(); }
+
+  Param weight;
+  int64_t dim = 0;
+  float eps = 1e-6f;
+
+ private:
+  Tensor saved_input_, saved_rstd_;
+};
+
+class Embedding {
+ public:
+  void init(const std::string& name, int64_t vocab, int64_t dim);
+  // tokens: I32 [T]; ids outside [0, vocab) are an error naming the id.
+  Tensor forward(const Tensor& tokens, Pass pass);
+  void backward(const Tensor& dy);
+  void collect(ParamList& out) { out.push_back(&weight); }
+  bool has_saved() const { return saved_tokens_.defined(); }
+
+  Param weight;
+  int64_t vocab = 0, dim = 0;
+
+ private:
+  Tensor saved_tokens_;
+};
+
+// down(silu(gate(x)) * up(x)): the dense FFN and the shared experts.
+class SwiGLU {
+ public:
+  // prefix like "model.layers.0.mlp." (keys gate_proj/up_proj/down_proj.weight follow).
+  void init(const std::string& prefix, int64_t dim, int64_t hidden);
+  Tensor forward(const Tensor& x, Pass pass);
+  Tensor backward(const Tensor& dy);
+  void collect(ParamList& out);
+  bool has_saved() const { return saved_gate_.defined(); }
+
+  Linear gate, up, down;
+  int64_t dim = 0, hidden = 0;
+
+ private:
+  Tensor saved_gate_, saved_up_;
+};
+
+}  // namespace moe
