@@ -6,7 +6,7 @@
 
 namespace moe {
 
-void set_num_threads(int n);  // also sets OpenBLAS's thread count
+void set_num_threads(int n);  // OpenBLAS itself always stays single-threaded
 int num_threads();
 
 // Fixed chunk length for cross-row reductions (independent of thread count by design).

@@ -13,9 +13,10 @@ namespace {
 
 // OpenBLAS's own threading changes per-element rounding with the thread count (measured: a
 // 257x300x129 sgemm differs between 1 and 2 threads). We therefore split C into tiles whose
-// bounds depend only on the shape and run single-threaded OpenBLAS on each tile inside our
-// OpenMP loop (the OpenMP build of OpenBLAS stays single-threaded inside a parallel region).
-constexpr int64_t kTile = 256;
+// bounds depend only on the shape and run single-threaded OpenBLAS on each tile in our own
+// OpenMP loop. Large extents get wide tiles (packing amortised), small ones narrow tiles so
+// that they still spread over the threads.
+int64_t tile_for(int64_t extent) { return extent >= 1024 ? 256 : 64; }
 
 enum class Layout { NT, NN, TN };
 
@@ -30,6 +31,9 @@ void sgemm_tile(Layout layout, int64_t M, int64_t N, int64_t K, float alpha, con
 
 void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
           const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
+  // Pins OpenBLAS to one thread even for callers that never chose a thread count.
+  static const bool kThreadPolicy = (set_num_threads(num_threads()), true);
+  (void)kThreadPolicy;
   if (M == 0 || N == 0) return;
   if (K == 0) {
     // An empty contraction (an expert with no tokens) leaves C, or clears it.
@@ -40,9 +44,10 @@ void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_
   const float beta = accumulate ? 1.0f : 0.0f;
   const bool split_rows = M >= N;
   const int64_t extent = split_rows ? M : N;
-  const int64_t tiles = (extent + kTile - 1) / kTile;
+  const int64_t tile = tile_for(extent);
+  const int64_t tiles = (extent + tile - 1) / tile;
   auto run_tile = [&](int64_t t) {
-    const int64_t lo = t * kTile, len = std::min(kTile, extent - lo);
+    const int64_t lo = t * tile, len = std::min(tile, extent - lo);
     if (split_rows) {
       const float* a = layout == Layout::TN ? A + lo : A + lo * lda;
       sgemm_tile(layout, len, N, K, alpha, a, lda, B, ldb, beta, C + lo * ldc, ldc);
@@ -51,13 +56,10 @@ void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_
       sgemm_tile(layout, M, len, K, alpha, A, lda, b, ldb, beta, C + lo, ldc);
     }
   };
-  if (tiles == 1) {
-    // Still force the single-threaded kernel so the result matches any thread count.
-#pragma omp parallel num_threads(1)
+  if (tiles == 1)
     run_tile(0);
-  } else {
+  else
     parallel_for_dynamic(0, tiles, run_tile);
-  }
 }
 
 }  // namespace
