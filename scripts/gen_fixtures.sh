@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Regenerates the numerical fixtures in tests/fixtures/ from the PyTorch reference
+# (tests/reference/deepseek_ref.py), then reloads and re-checks them.
+# Needs Debian's python3-torch (torch 1.13) and python3-numpy: scripts/setup.sh installs them.
+# Extra arguments go to the generator, e.g. --case v2_softmax, or --selftest (float64 checks).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=/usr/bin/python3
+"$PY" -c "import torch, numpy" 2>/dev/null || { echo "gen_fixtures: $PY lacks torch/numpy (run scripts/setup.sh)" >&2; exit 1; }
+if [ $# -gt 0 ]; then
+  exec "$PY" tests/reference/gen_fixtures.py "$@"
+fi
+"$PY" tests/reference/gen_fixtures.py
+"$PY" tests/reference/gen_fixtures.py --check

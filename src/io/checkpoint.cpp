@@ -1,0 +1,170 @@
+#include "io/checkpoint.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string_view>
+#include <vector>
+
+#include "core/error.h"
+#include "io/atomic_file.h"
+#include "io/hf_config.h"
+#include "io/safetensors.h"
+
+namespace moe {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+bool optional_in_checkpoint(std::string_view name) {
+  return name.ends_with("mlp.gate.e_score_correction_bias");
+}
+
+// Shard files named by an existing index, so a new save can delete the ones it no longer uses.
+// An unreadable old index names nothing: stale files are left rather than guessed at.
+std::set<std::string> indexed_shards(const fs::path& index) {
+  std::set<std::string> shards;
+  std::ifstream in(index, std::ios::binary);
+  if (!in.good()) return shards;
+  std::stringstream text;
+  text << in.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) return shards;
+  for (const auto& [tensor, file] : j["weight_map"].items()) {
+    if (!file.is_string()) continue;
+    const fs::path p(file.get<std::string>());
+    if (p.has_filename() && p == p.filename()) shards.insert(p.string());
+  }
+  return shards;
+}
+
+void remove_file(const fs::path& path) {
+  std::error_code ec;
+  fs::remove(path, ec);
+  MOE_CHECK(!ec, "{}: cannot remove stale weight file: {}", path.string(), ec.message());
+}
+
+}  // namespace
+
+void load_weights(const SafetensorsSet& weights, const ParamList& params) {
+  struct Source {
+    Param* param;
+    const SafetensorsReader* reader;  // nullptr: optional tensor absent, zero it
+  };
+  std::vector<Source> sources;
+  sources.reserve(params.size());
+  std::vector<std::string_view> missing;
+  for (Param* p : params) {
+    MOE_CHECK(p != nullptr && p->value.defined() && p->value.dtype() == DType::F32,
+              "load_weights: parameter '{}' needs an allocated F32 value", p ? p->name : "?");
+    const SafetensorsReader* reader = weights.find(p->name);
+    if (reader == nullptr) {
+      if (optional_in_checkpoint(p->name))
+        sources.push_back({p, nullptr});
+      else
+        missing.push_back(p->name);
+      continue;
+    }
+    const SafetensorsEntry& e = reader->entry(p->name);
+    MOE_CHECK(e.shape == p->value.shape(), "{}: tensor '{}' has shape {}, the model expects {}",
+              reader->path().string(), p->name, shape_str(e.shape), shape_str(p->value.shape()));
+    MOE_CHECK(e.dtype == "F32" || e.dtype == "BF16",
+              "{}: tensor '{}' has dtype {}; only F32 and BF16 weights can be loaded",
+              reader->path().string(), p->name, e.dtype);
+    sources.push_back({p, reader});
+  }
+  if (!missing.empty()) {
+    std::string more;
+    if (missing.size() > 1) more = fmt::format(" (and {} more missing)", missing.size() - 1);
+    fail("{}: the model weights have no tensor '{}'{}", weights.dir().string(), missing.front(),
+         more);
+  }
+  for (const Source& s : sources) {
+    if (s.reader)
+      s.reader->read_into(s.param->name, s.param->value);
+    else
+      s.param->value.zero();
+  }
+}
+
+void load_weights(const fs::path& model_dir, const ParamList& params) {
+  const SafetensorsSet weights(model_dir);
+  load_weights(weights, params);
+}
+
+void save_model(const fs::path& dir, const ModelConfig& cfg, const ParamList& params, DType dtype,
+                int64_t max_shard_bytes) {
+  MOE_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+            "save_model: weights are saved as F32 or BF16, not {}", dtype_name(dtype));
+  MOE_CHECK(max_shard_bytes > 0, "save_model: max_shard_bytes must be positive, got {}",
+            max_shard_bytes);
+  ModelConfig written = cfg;
+  written.torch_dtype = dtype == DType::BF16 ? "bfloat16" : "float32";
+  // Before any weight file changes: a config that cannot be loaded back makes the save useless.
+  written.validate((dir / kHfConfigFile).string());
+  const std::string file_dtype = dtype_name(dtype);
+
+  // Greedy packing in parameter order, as transformers shards: a tensor larger than the limit
+  // gets a shard of its own (an empty tensor never opens a new one).
+  std::vector<std::vector<SafetensorsWriteItem>> shards(1);
+  std::vector<int64_t> shard_bytes(1, 0);
+  int64_t total_bytes = 0;
+  std::set<std::string_view> names;
+  for (const Param* p : params) {
+    MOE_CHECK(p != nullptr && p->value.defined(), "save_model: parameter '{}' has no value",
+              p ? p->name : "?");
+    MOE_CHECK(names.insert(p->name).second, "save_model: parameter '{}' is listed twice", p->name);
+    const int64_t bytes = p->value.numel() * dtype_size(dtype);
+    if (bytes > 0 && !shards.back().empty() && shard_bytes.back() + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes.push_back(0);
+    }
+    shards.back().push_back({p->name, p->value, file_dtype});
+    shard_bytes.back() += bytes;
+    total_bytes += bytes;
+  }
+
+  std::error_code ec;
+  const bool created = fs::create_directories(dir, ec);
+  MOE_CHECK(!ec && fs::is_directory(dir), "{}: cannot create the model directory: {}",
+            dir.string(), ec ? ec.message() : "a file of that name exists");
+  if (created) {
+    fs::path absolute = fs::absolute(dir).lexically_normal();
+    if (!absolute.has_filename()) absolute = absolute.parent_path();  // "dir/" names dir itself
+    fsync_directory(absolute.parent_path());
+  }
+
+  const SafetensorsMetadata metadata{{"format", "pt"}};
+  const fs::path index_path = dir / kSafetensorsIndexFile;
+  const std::set<std::string> old_shards = indexed_shards(index_path);
+  if (shards.size() == 1) {
+    // model.safetensors takes precedence over an index when loading, so it is written first and
+    // the old index removed only afterwards.
+    write_safetensors_with_dtypes(dir / kSafetensorsSingleFile, shards.front(), metadata);
+    remove_file(index_path);
+    for (const auto& old : old_shards)
+      if (old != kSafetensorsSingleFile) remove_file(dir / old);
+  } else {
+    nlohmann::json weight_map = nlohmann::json::object();
+    std::set<std::string> new_shards;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const std::string file =
+          fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
+      for (const auto& item : shards[i]) weight_map[item.name] = file;
+      write_safetensors_with_dtypes(dir / file, shards[i], metadata);
+      new_shards.insert(file);
+    }
+    nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}},
+                            {"weight_map", weight_map}};
+    write_file_atomic(index_path, index.dump(2) + "\n");
+    remove_file(dir / kSafetensorsSingleFile);
+    for (const auto& old : old_shards)
+      if (!new_shards.contains(old)) remove_file(dir / old);
+  }
+  write_hf_config(dir, written);
+  fsync_directory(dir);  // the removals above
+}
+
+}  // namespace moe

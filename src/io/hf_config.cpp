@@ -1,0 +1,298 @@
+#include "io/hf_config.h"
+
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "core/error.h"
+#include "io/atomic_file.h"
+
+namespace moe {
+
+namespace {
+
+using json = nlohmann::json;
+
+// Typed access to one JSON object's fields; every error names the source and the full field
+// path (e.g. "rope_scaling.factor").
+class Fields {
+ public:
+  Fields(const json& obj, const std::string& source, std::string prefix = "")
+      : obj_(obj), source_(source), prefix_(std::move(prefix)) {}
+
+  // nullptr when the field is absent or null: transformers treats both as "use the default".
+  const json* get(const char* key) const {
+    auto it = obj_.find(key);
+    return it == obj_.end() || it->is_null() ? nullptr : &*it;
+  }
+  bool has_key(const char* key) const { return obj_.contains(key); }
+
+  int64_t integer(const char* key, const json& v) const {
+    if (v.is_number_unsigned() &&
+        v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      return static_cast<int64_t>(v.get<uint64_t>());
+    if (v.is_number_integer() && !v.is_number_unsigned()) return v.get<int64_t>();
+    wrong_type(key, "an integer", v);
+  }
+  int64_t int_or(const char* key, int64_t fallback) const {
+    const json* v = get(key);
+    return v ? integer(key, *v) : fallback;
+  }
+  int64_t required_int(const char* key) const {
+    const json* v = get(key);
+    MOE_CHECK(v != nullptr, "{}: field '{}' is required (an integer)", source_, name(key));
+    return integer(key, *v);
+  }
+  // Present but allowed to be null (e.g. q_lora_rank: null = no query compression).
+  int64_t required_nullable_int(const char* key, int64_t if_null) const {
+    MOE_CHECK(has_key(key), "{}: field '{}' is required (an integer or null)", source_, name(key));
+    return int_or(key, if_null);
+  }
+  double number(const char* key, const json& v) const {
+    if (!v.is_number()) wrong_type(key, "a number", v);
+    return v.get<double>();
+  }
+  double number_or(const char* key, double fallback) const {
+    const json* v = get(key);
+    return v ? number(key, *v) : fallback;
+  }
+  double required_number(const char* key) const {
+    const json* v = get(key);
+    MOE_CHECK(v != nullptr, "{}: field '{}' is required (a number)", source_, name(key));
+    return number(key, *v);
+  }
+  bool bool_or(const char* key, bool fallback) const {
+    const json* v = get(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) wrong_type(key, "true or false", *v);
+    return v->get<bool>();
+  }
+  std::string string_or(const char* key, const std::string& fallback) const {
+    const json* v = get(key);
+    if (!v) return fallback;
+    if (!v->is_string()) wrong_type(key, "a string", *v);
+    return v->get<std::string>();
+  }
+  std::string required_string(const char* key) const {
+    MOE_CHECK(get(key) != nullptr, "{}: field '{}' is required (a string)", source_, name(key));
+    return string_or(key, "");
+  }
+
+  std::string name(const char* key) const { return prefix_ + key; }
+  [[noreturn]] void wrong_type(const char* key, const char* expected, const json& v) const {
+    fail("{}: field '{}' must be {}, got {} {}", source_, name(key), expected, v.type_name(),
+         v.dump());
+  }
+  [[noreturn]] void bad_value(const char* key, const char* expected, const json& v) const {
+    fail("{}: field '{}' must be {}, got {}", source_, name(key), expected, v.dump());
+  }
+
+ private:
+  const json& obj_;
+  const std::string& source_;
+  std::string prefix_;
+};
+
+// transformers writes a single id, but generation configs sometimes carry a list of stop ids;
+// the first is the canonical end-of-sequence token.
+int64_t token_id(const Fields& f, const char* key, int64_t fallback) {
+  const json* v = f.get(key);
+  if (!v) return fallback;
+  if (v->is_array()) {
+    if (v->empty()) f.wrong_type(key, "an integer or a non-empty list of integers", *v);
+    return f.integer(key, v->front());
+  }
+  return f.integer(key, *v);
+}
+
+RopeScaling parse_rope_scaling(const json& rs, const Fields& top, const char* field,
+                               const std::string& source, int64_t max_position_embeddings) {
+  RopeScaling r;
+  if (!rs.is_object()) top.wrong_type(field, "an object or null", rs);
+  Fields f(rs, source, std::string(field) + ".");
+  // Older configs (the DeepSeek remote code) say "type", newer transformers "rope_type".
+  const std::string type = f.string_or("type", "");
+  const std::string rope_type = f.string_or("rope_type", "");
+  MOE_CHECK(!type.empty() || !rope_type.empty(), "{}: field '{}' needs a 'type' (or "
+            "'rope_type'): \"yarn\" or \"default\"", source, field);
+  if (type != "yarn" && rope_type != "yarn") {
+    for (const char* key : {"type", "rope_type"}) {
+      const json* v = f.get(key);
+      if (v && v->get<std::string>() != "default")
+        f.bad_value(key, "\"yarn\" or \"default\" (this engine implements no other RoPE scaling)",
+                    *v);
+    }
+    return r;
+  }
+  r.type = "yarn";
+  r.factor = f.required_number("factor");
+  // transformers' YaRN falls back to max_position_embeddings when the original length is absent.
+  r.original_max_position_embeddings =
+      f.int_or("original_max_position_embeddings", max_position_embeddings);
+  r.beta_fast = f.number_or("beta_fast", r.beta_fast);
+  r.beta_slow = f.number_or("beta_slow", r.beta_slow);
+  r.mscale = f.number_or("mscale", r.mscale);
+  r.mscale_all_dim = f.number_or("mscale_all_dim", r.mscale_all_dim);
+  return r;
+}
+
+}  // namespace
+
+ModelConfig parse_hf_config(const json& j, const std::string& source) {
+  MOE_CHECK(j.is_object(), "{}: config must be a JSON object, got {}", source, j.type_name());
+  Fields f(j, source);
+  ModelConfig c;
+
+  c.model_type = f.required_string("model_type");
+  if (c.model_type != "deepseek_v3" && c.model_type != "deepseek_v2")
+    f.bad_value("model_type", "\"deepseek_v3\" or \"deepseek_v2\"", j["model_type"]);
+  const bool v2 = c.model_type == "deepseek_v2";
+
+  c.vocab_size = f.required_int("vocab_size");
+  c.hidden_size = f.required_int("hidden_size");
+  c.intermediate_size = f.required_int("intermediate_size");
+  c.num_hidden_layers = f.required_int("num_hidden_layers");
+  c.num_attention_heads = f.required_int("num_attention_heads");
+  c.q_lora_rank = f.required_nullable_int("q_lora_rank", 0);
+  c.kv_lora_rank = f.required_int("kv_lora_rank");
+  c.qk_nope_head_dim = f.required_int("qk_nope_head_dim");
+  c.qk_rope_head_dim = f.required_int("qk_rope_head_dim");
+  c.v_head_dim = f.required_int("v_head_dim");
+
+  c.n_routed_experts = f.int_or("n_routed_experts", 0);
+  c.n_shared_experts = f.int_or("n_shared_experts", 0);
+  if (c.n_routed_experts > 0) {
+    c.moe_intermediate_size = f.required_int("moe_intermediate_size");
+    c.num_experts_per_tok = f.required_int("num_experts_per_tok");
+    c.first_k_dense_replace = f.required_int("first_k_dense_replace");
+  } else {
+    c.moe_intermediate_size = f.int_or("moe_intermediate_size", 0);
+    c.num_experts_per_tok = f.int_or("num_experts_per_tok", 0);
+    c.first_k_dense_replace = f.int_or("first_k_dense_replace", 0);
+  }
+  c.moe_layer_freq = f.int_or("moe_layer_freq", 1);
+  c.n_group = f.int_or("n_group", 1);
+  c.topk_group = f.int_or("topk_group", 1);
+  c.topk_method = f.string_or("topk_method", v2 ? "greedy" : "noaux_tc");
+  c.scoring_func = f.string_or("scoring_func", v2 ? "softmax" : "sigmoid");
+  c.norm_topk_prob = f.bool_or("norm_topk_prob", !v2);
+  c.routed_scaling_factor = f.number_or("routed_scaling_factor", v2 ? 1.0 : 2.5);
+  // Native transformers DeepSeek models have no sequence-wise auxiliary loss, so a config
+  // without the field trains without one.
+  c.aux_loss_alpha = f.number_or("aux_loss_alpha", 0.0);
+  c.seq_aux = f.bool_or("seq_aux", true);
+
+  c.rms_norm_eps = f.number_or("rms_norm_eps", 1e-6);
+  c.max_position_embeddings = f.int_or("max_position_embeddings", v2 ? 2048 : 4096);
+  c.rope_theta = f.number_or("rope_theta", 10000.0);
+  if (const json* rs = f.get("rope_scaling")) {
+    c.rope_scaling = parse_rope_scaling(*rs, f, "rope_scaling", source, c.max_position_embeddings);
+  } else if (const json* rp = f.get("rope_parameters")) {
+    // transformers 5 moved rope_theta and the scaling into one rope_parameters object.
+    c.rope_scaling = parse_rope_scaling(*rp, f, "rope_parameters", source, c.max_position_embeddings);
+    if (!f.get("rope_theta") && rp->is_object())
+      c.rope_theta = Fields(*rp, source, "rope_parameters.").number_or("rope_theta", c.rope_theta);
+  }
+
+  c.tie_word_embeddings = f.bool_or("tie_word_embeddings", false);
+  // transformers 4.56 renamed torch_dtype to dtype.
+  const char* dtype_key = f.get("torch_dtype") || !f.get("dtype") ? "torch_dtype" : "dtype";
+  c.torch_dtype = f.string_or(dtype_key, "float32");
+  if (c.torch_dtype != "float32" && c.torch_dtype != "bfloat16")
+    f.bad_value(dtype_key, "\"bfloat16\" or \"float32\"", json(c.torch_dtype));
+  c.bos_token_id = token_id(f, "bos_token_id", v2 ? 100000 : 0);
+  c.eos_token_id = token_id(f, "eos_token_id", v2 ? 100001 : 1);
+
+  // Features transformers supports but this engine does not: computing without them would
+  // silently give a different model.
+  if (const std::string act = f.string_or("hidden_act", "silu"); act != "silu")
+    f.bad_value("hidden_act", "\"silu\"", json(act));
+  for (const char* key : {"attention_bias", "mlp_bias"})
+    if (f.bool_or(key, false)) f.bad_value(key, "false", json(true));
+
+  c.validate(source);
+  return c;
+}
+
+ModelConfig read_hf_config(const std::filesystem::path& path) {
+  std::error_code ec;
+  const std::filesystem::path file =
+      std::filesystem::is_directory(path, ec) ? path / kHfConfigFile : path;
+  std::ifstream in(file, std::ios::binary);
+  MOE_CHECK(in.good(), "{}: cannot open the model config", file.string());
+  std::stringstream text;
+  text << in.rdbuf();
+  json j;
+  try {
+    j = json::parse(text.str());
+  } catch (const json::exception& ex) {
+    fail("{}: not valid JSON: {}", file.string(), ex.what());
+  }
+  return parse_hf_config(j, file.string());
+}
+
+json model_config_to_json(const ModelConfig& c) {
+  const bool v2 = c.model_type == "deepseek_v2";
+  json j;
+  j["architectures"] = json::array({v2 ? "DeepseekV2ForCausalLM" : "DeepseekV3ForCausalLM"});
+  j["model_type"] = c.model_type;
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["moe_intermediate_size"] = c.moe_intermediate_size;
+  j["num_hidden_layers"] = c.num_hidden_layers;
+  j["num_attention_heads"] = c.num_attention_heads;
+  // MLA has no grouped KV heads; transformers still expects the field.
+  j["num_key_value_heads"] = c.num_attention_heads;
+  j["n_routed_experts"] = c.n_routed_experts > 0 ? json(c.n_routed_experts) : json(nullptr);
+  j["n_shared_experts"] = c.n_shared_experts;
+  j["num_experts_per_tok"] = c.num_experts_per_tok;
+  j["first_k_dense_replace"] = c.first_k_dense_replace;
+  j["moe_layer_freq"] = c.moe_layer_freq;
+  j["n_group"] = c.n_group;
+  j["topk_group"] = c.topk_group;
+  j["topk_method"] = c.topk_method;
+  j["scoring_func"] = c.scoring_func;
+  j["norm_topk_prob"] = c.norm_topk_prob;
+  j["routed_scaling_factor"] = c.routed_scaling_factor;
+  j["aux_loss_alpha"] = c.aux_loss_alpha;
+  j["seq_aux"] = c.seq_aux;
+  j["q_lora_rank"] = c.q_lora_rank > 0 ? json(c.q_lora_rank) : json(nullptr);
+  j["kv_lora_rank"] = c.kv_lora_rank;
+  j["qk_nope_head_dim"] = c.qk_nope_head_dim;
+  j["qk_rope_head_dim"] = c.qk_rope_head_dim;
+  j["v_head_dim"] = c.v_head_dim;
+  j["hidden_act"] = "silu";
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  if (c.rope_scaling.is_yarn()) {
+    const RopeScaling& r = c.rope_scaling;
+    j["rope_scaling"] = {{"type", "yarn"},
+                         {"rope_type", "yarn"},
+                         {"factor", r.factor},
+                         {"original_max_position_embeddings", r.original_max_position_embeddings},
+                         {"beta_fast", r.beta_fast},
+                         {"beta_slow", r.beta_slow},
+                         {"mscale", r.mscale},
+                         {"mscale_all_dim", r.mscale_all_dim}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  j["torch_dtype"] = c.torch_dtype;
+  j["bos_token_id"] = c.bos_token_id;
+  j["eos_token_id"] = c.eos_token_id;
+  j["use_cache"] = true;
+  return j;
+}
+
+void write_hf_config(const std::filesystem::path& dir, const ModelConfig& cfg) {
+  const std::filesystem::path file = dir / kHfConfigFile;
+  cfg.validate(file.string());
+  write_file_atomic(file, model_config_to_json(cfg).dump(2) + "\n");
+}
+
+}  // namespace moe
