@@ -1,0 +1,65 @@
+#pragma once
+// Multi-head latent attention (DeepSeek-V2/V3), forward and backward side by side (the layer
+// convention of model/layers.h). Rows are sequence-major (row = b * seq + s); every sequence
+// attends causally within itself, a row's position is s.
+//
+// The latent stages are kept as separate tensors so the inference path can cache exactly what
+// the spec asks for: kv_a_layernorm(c_kv) [T, kv_lora_rank] and RoPE(k_pe) [T, rope] per token.
+#include <memory>
+#include <string>
+
+#include "model/config.h"
+#include "model/layers.h"
+#include "model/param.h"
+#include "model/rope.h"
+
+namespace moe {
+
+class MLAttention {
+ public:
+  // prefix like "model.layers.3.self_attn."; parameters use the HF keys:
+  // q_proj.weight (q_lora_rank == 0) or q_a_proj.weight, q_a_layernorm.weight, q_b_proj.weight;
+  // kv_a_proj_with_mqa.weight, kv_a_layernorm.weight, kv_b_proj.weight, o_proj.weight.
+  void init(const std::string& prefix, const ModelConfig& cfg);
+  // Layers of one model may share one table (it only depends on the config); init gives each
+  // layer its own until the model builder hands them a common one.
+  void share_rope(std::shared_ptr<RopeTable> table) { rope_ = std::move(table); }
+  const std::shared_ptr<RopeTable>& rope() const { return rope_; }
+
+  Tensor forward(const Tensor& x /*[T, hidden]*/, const BatchShape& shape, Pass pass);
+  Tensor backward(const Tensor& dy);  // -> dx [T, hidden]
+  void collect(ParamList& out);
+  bool has_saved() const { return saved_p_.defined(); }
+
+  // Linears and norms; kv_a_proj_with_mqa is a bare Param because its output is produced
+  // directly as the two separate tensors c_kv and k_pe (two GEMMs on its row blocks).
+  Linear q_proj, q_a_proj, q_b_proj;
+  RMSNorm q_a_layernorm;
+  Param kv_a_proj;
+  RMSNorm kv_a_layernorm;
+  Linear kv_b_proj, o_proj;
+
+  int64_t hidden = 0, heads = 0, q_lora_rank = 0, kv_lora_rank = 0;
+  int64_t nope = 0, rope_dim = 0, v_dim = 0;
+  float softmax_scale = 1.0f;
+
+ private:
+  int64_t qk_dim() const { return nope + rope_dim; }
+  Tensor query(const Tensor& x, const Tensor& positions, Pass pass);  // RoPE'd [T, H*(nope+rope)]
+  Tensor query_backward(const Tensor& dq);                             // dx from the query path
+  void attention_core(const Tensor& q, const Tensor& kv, const Tensor& k_pe, const Tensor& out,
+                      const Tensor& probs, const BatchShape& shape) const;
+
+  std::shared_ptr<RopeTable> rope_;
+
+  // Saved by a Train forward (besides what the linears and norms keep for themselves).
+  BatchShape saved_shape_;
+  Tensor saved_x_;          // input of kv_a_proj (shared with the query linear)
+  Tensor saved_positions_;  // I32 [T]
+  Tensor saved_q_;          // [T, H, nope+rope], q_pe rotated
+  Tensor saved_kv_;         // [T, H, nope+v]: k_nope | v
+  Tensor saved_k_pe_;       // [T, rope], rotated
+  Tensor saved_p_;          // [B, H, S, S] softmax probabilities (causal part only is valid)
+};
+
+}  // namespace moe
