@@ -13,6 +13,13 @@ inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// Stable across platforms and library versions (unlike std::hash), so a (seed, name) stream
+// always draws the same numbers.
+inline uint64_t fnv1a(const char* s, uint64_t h = 0xcbf29ce484222325ull) {
+  for (; *s; ++s) h = (h ^ static_cast<unsigned char>(*s)) * 0x100000001b3ull;
+  return h;
+}
+
 class Rng {
  public:
   explicit Rng(uint64_t seed = 0) : state_(splitmix64(seed ^ 0x6A09E667F3BCC909ull)) {}

@@ -56,10 +56,9 @@ void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_
       sgemm_tile(layout, M, len, K, alpha, A, lda, b, ldb, beta, C + lo, ldc);
     }
   };
-  if (tiles == 1)
-    run_tile(0);
-  else
-    parallel_for_dynamic(0, tiles, run_tile);
+  // Even a single tile runs inside a parallel region: outside one, the OpenMP build of OpenBLAS
+  // would thread by itself and round differently per thread count.
+  parallel_for_dynamic(0, tiles, run_tile);
 }
 
 }  // namespace

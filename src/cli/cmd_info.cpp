@@ -1,0 +1,62 @@
+// `moe info`: parameter counts and weight memory of a configuration, for planning.
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "core/memory.h"
+#include "io/model_spec.h"
+#include "model/config.h"
+
+namespace moe::cli {
+
+namespace {
+
+std::string human_count(int64_t n) {
+  const double v = static_cast<double>(n);
+  if (n >= 1000000000) return fmt::format("{:.2f}B", v / 1e9);
+  if (n >= 1000000) return fmt::format("{:.2f}M", v / 1e6);
+  if (n >= 1000) return fmt::format("{:.2f}K", v / 1e3);
+  return fmt::format("{}", n);
+}
+
+void print_info(const std::string& spec) {
+  const ModelConfig c = resolve_model_config(spec);
+  const ParamCounts p = count_params(c);
+  const int64_t dense_layers = std::min(c.first_k_dense_replace, c.num_hidden_layers);
+  fmt::print("model            {} ({})\n", spec, c.model_type);
+  fmt::print("layers           {} ({} dense, {} MoE)\n", c.num_hidden_layers,
+             c.n_routed_experts ? dense_layers : c.num_hidden_layers,
+             c.n_routed_experts ? c.num_hidden_layers - dense_layers : 0);
+  fmt::print("hidden           {}, heads {}, vocab {}\n", c.hidden_size, c.num_attention_heads,
+             c.vocab_size);
+  if (c.n_routed_experts)
+    fmt::print("experts          {} routed (width {}) + {} shared, top-{}, {} group(s) keep {}, {}\n",
+               c.n_routed_experts, c.moe_intermediate_size, c.n_shared_experts,
+               c.num_experts_per_tok, c.n_group, c.topk_group, c.scoring_func);
+  fmt::print("parameters       {} total ({})\n", human_count(p.total), p.total);
+  fmt::print("active per token {} ({})\n", human_count(p.active_per_token), p.active_per_token);
+  fmt::print("routed experts   {} ({:.1f}% of total)\n", human_count(p.routed_expert),
+             100.0 * static_cast<double>(p.routed_expert) / static_cast<double>(p.total));
+  fmt::print("weight memory    fp32 {}, bf16 {}\n", format_bytes(p.total * 4),
+             format_bytes(p.total * 2));
+  // MXFP4 routed experts: 4 bits per weight plus one E8M0 byte per 32 weights.
+  fmt::print("                 bf16 with MXFP4 routed experts {}\n",
+             format_bytes((p.total - p.routed_expert) * 2 + p.routed_expert * 17 / 32));
+  const int64_t train_bytes = p.total * 4 * 4;  // weights, grads, two AdamW moments
+  fmt::print("training state   {} (fp32 weights + grads + AdamW moments, before activations)\n",
+             format_bytes(train_bytes));
+  const int64_t kv_per_token = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4;
+  fmt::print("MLA KV cache     {} per token (fp32 latent, all layers)\n", format_bytes(kv_per_token));
+}
+
+}  // namespace
+
+void add_info_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("info", "print parameter counts and memory of a model config");
+  auto spec = std::make_shared<std::string>();
+  cmd->add_option("--config", *spec, "preset name (" + preset_names_joined() +
+                                         "), config.json file or model directory")
+      ->required();
+  cmd->callback([spec] { print_info(*spec); });
+}
+
+}  // namespace moe::cli

@@ -1,0 +1,47 @@
+// `moe logits`: the engine's fp32 logits for given token ids, so any external reference can be
+// compared against it.
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "io/checkpoint.h"
+#include "io/hf_config.h"
+#include "io/safetensors.h"
+#include "io/token_file.h"
+#include "model/model.h"
+
+namespace moe::cli {
+
+namespace {
+
+struct LogitsArgs {
+  std::string model_dir, tokens_file, out_file;
+};
+
+void run_logits(const LogitsArgs& a) {
+  const ModelConfig cfg = read_hf_config(a.model_dir);
+  const TokenBatch batch = read_token_file(a.tokens_file);
+  DeepSeekModel model(cfg);
+  load_weights(a.model_dir, model.params());
+  Tensor logits = model.logits(batch.tokens, batch.shape)
+                      .view({batch.shape.batch, batch.shape.seq, cfg.vocab_size});
+  write_safetensors(a.out_file, {{"logits", logits}}, {{"format", "pt"}});
+  fmt::print("wrote logits [{}, {}, {}] to {}\n", batch.shape.batch, batch.shape.seq,
+             cfg.vocab_size, a.out_file);
+}
+
+}  // namespace
+
+void add_logits_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("logits", "write the fp32 logits of a model for token ids");
+  auto args = std::make_shared<LogitsArgs>();
+  cmd->add_option("--model", args->model_dir, "model directory (config.json + safetensors)")
+      ->required();
+  cmd->add_option("--tokens", args->tokens_file,
+                  "text file: one sequence per line, token ids separated by spaces")
+      ->required();
+  cmd->add_option("--out", args->out_file, "output .safetensors (tensor 'logits' [batch, seq, vocab])")
+      ->required();
+  cmd->callback([args] { run_logits(*args); });
+}
+
+}  // namespace moe::cli

@@ -1,0 +1,10 @@
+#pragma once
+// Each subcommand registers its options and its action on the CLI11 app.
+#include <CLI/CLI.hpp>
+
+namespace moe::cli {
+
+void add_info_command(CLI::App& app);
+void add_logits_command(CLI::App& app);
+
+}  // namespace moe::cli

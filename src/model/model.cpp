@@ -1,0 +1,169 @@
+#include "model/model.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "kernels/activations.h"
+
+namespace moe {
+
+// ---------------------------------------------------------------- Block
+
+Block::Block(const ModelConfig& cfg, int64_t layer, Dispatcher& dispatcher) {
+  const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+  input_norm.init(prefix + "input_layernorm.weight", cfg.hidden_size, cfg.rms_norm_eps);
+  post_attention_norm.init(prefix + "post_attention_layernorm.weight", cfg.hidden_size,
+                           cfg.rms_norm_eps);
+  attention.init(prefix + "self_attn.", cfg);
+  if (cfg.is_moe_layer(layer)) {
+    moe = std::make_unique<MoELayer>();
+    moe->init(prefix + "mlp.", cfg, dispatcher);
+  } else {
+    mlp = std::make_unique<SwiGLU>();
+    mlp->init(prefix + "mlp.", cfg.hidden_size, cfg.intermediate_size);
+  }
+}
+
+void Block::collect(ParamList& out) {
+  input_norm.collect(out);
+  attention.collect(out);
+  post_attention_norm.collect(out);
+  if (mlp) mlp->collect(out);
+  if (moe) moe->collect(out);
+}
+
+bool Block::has_saved() const {
+  return input_norm.has_saved() || post_attention_norm.has_saved() || attention.has_saved() ||
+         (mlp && mlp->has_saved()) || (moe && moe->has_saved());
+}
+
+Tensor Block::forward(const Tensor& x, const BatchShape& shape, Pass pass) {
+  // Residual sums are formed in the sub-layer's fresh output; x itself stays intact because
+  // the norm saved it for backward.
+  Tensor h = attention.forward(input_norm.forward(x, pass), shape, pass);
+  add_inplace(h.f32(), x.f32(), h.numel());
+  Tensor normed = post_attention_norm.forward(h, pass);
+  Tensor out = mlp ? mlp->forward(normed, pass) : moe->forward(normed, shape, pass);
+  add_inplace(out.f32(), h.f32(), out.numel());
+  return out;
+}
+
+Tensor Block::backward(const Tensor& dy, float aux_grad_scale) {
+  Tensor d_ffn = mlp ? mlp->backward(dy) : moe->backward(dy, aux_grad_scale);
+  Tensor dh = post_attention_norm.backward(d_ffn);
+  add_inplace(dh.f32(), dy.f32(), dh.numel());
+  Tensor dx = input_norm.backward(attention.backward(dh));
+  add_inplace(dx.f32(), dh.f32(), dx.numel());
+  return dx;
+}
+
+// ---------------------------------------------------------------- DeepSeekModel
+
+DeepSeekModel::DeepSeekModel(const ModelConfig& cfg, std::shared_ptr<Dispatcher> dispatcher)
+    : cfg_(cfg), dispatcher_(std::move(dispatcher)) {
+  cfg_.validate("model config");
+  if (!dispatcher_) dispatcher_ = std::make_shared<LocalDispatcher>();
+  embed_.init("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size);
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+    blocks_.push_back(std::make_unique<Block>(cfg_, l, *dispatcher_));
+  final_norm_.init("model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps);
+  head_.init("lm_head.weight", cfg.hidden_size, cfg.vocab_size);
+  embed_.collect(params_);
+  for (auto& b : blocks_) b->collect(params_);
+  final_norm_.collect(params_);
+  head_.collect(params_);
+}
+
+ParamList DeepSeekModel::trainable_params() const {
+  ParamList out;
+  for (Param* p : params_)
+    if (p->trainable) out.push_back(p);
+  return out;
+}
+
+void DeepSeekModel::init_weights(uint64_t seed) {
+  // Residual-branch outputs are scaled down with depth (GPT-2 style) so the stream's variance
+  // stays bounded at initialisation.
+  const float std_dev = 0.02f;
+  const float out_std = std_dev / std::sqrt(2.0f * static_cast<float>(cfg_.num_hidden_layers));
+  auto ends_with = [](const std::string& s, const char* suffix) {
+    const std::string suf(suffix);
+    return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+  };
+  for (Param* p : params_) {
+    float* w = p->w();
+    const int64_t n = p->value.numel();
+    if (ends_with(p->name, "norm.weight") || ends_with(p->name, "layernorm.weight")) {
+      std::fill(w, w + n, 1.0f);
+      continue;
+    }
+    if (ends_with(p->name, "e_score_correction_bias")) {
+      std::fill(w, w + n, 0.0f);
+      continue;
+    }
+    const bool residual_out = ends_with(p->name, "o_proj.weight") || ends_with(p->name, "down_proj.weight");
+    const float s = residual_out ? out_std : std_dev;
+    Rng rng(seed ^ fnv1a(p->name.c_str()));
+    for (int64_t i = 0; i < n; ++i) w[i] = s * rng.normal();
+  }
+}
+
+void DeepSeekModel::allocate_grads() {
+  for (MoELayer* m : moe_layers()) m->allocate_grads();
+  for (Param* p : params_)
+    if (p->trainable) p->allocate_grad();
+}
+
+void DeepSeekModel::zero_grads() {
+  for (Param* p : params_) p->zero_grad();
+}
+
+std::vector<MoELayer*> DeepSeekModel::moe_layers() const {
+  std::vector<MoELayer*> out;
+  for (auto& b : blocks_)
+    if (b->moe) out.push_back(b->moe.get());
+  return out;
+}
+
+Tensor DeepSeekModel::hidden_states(const Tensor& tokens, const BatchShape& shape, Pass pass) {
+  MOE_CHECK(tokens.numel() == shape.tokens(), "expected {} tokens (batch {} x seq {}), got {}",
+            shape.tokens(), shape.batch, shape.seq, tokens.numel());
+  Tensor x = embed_.forward(tokens, pass);
+  for (auto& b : blocks_) x = b->forward(x, shape, pass);
+  return final_norm_.forward(x, pass);
+}
+
+LossResult DeepSeekModel::forward(const Tensor& tokens, const Tensor& targets,
+                                  const BatchShape& shape, Pass pass, const LossOptions& options) {
+  Tensor h = hidden_states(tokens, shape, pass);
+  LossResult r = head_.forward(h, targets, pass, options.z_loss, options.grad_scale);
+  if (needs_backward(pass))
+    for (MoELayer* m : moe_layers()) r.aux += m->aux_loss();
+  last_grad_scale_ = options.grad_scale;
+  return r;
+}
+
+void DeepSeekModel::backward() {
+  Tensor dx = final_norm_.backward(head_.backward());
+  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
+    dx = (*it)->backward(dx, last_grad_scale_);
+  embed_.backward(dx);
+}
+
+Tensor DeepSeekModel::logits(const Tensor& tokens, const BatchShape& shape) {
+  return head_.logits(hidden_states(tokens, shape, Pass::Inference));
+}
+
+void DeepSeekModel::update_router_biases(double rate) {
+  for (MoELayer* m : moe_layers()) m->update_bias(rate);
+}
+
+bool DeepSeekModel::has_saved() const {
+  if (embed_.has_saved() || final_norm_.has_saved() || head_.has_saved()) return true;
+  for (auto& b : blocks_)
+    if (b->has_saved()) return true;
+  return false;
+}
+
+}  // namespace moe

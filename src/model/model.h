@@ -1,0 +1,73 @@
+#pragma once
+// The DeepSeek-V3 family: embedding -> blocks (MLA attention + dense or MoE FFN) -> final norm
+// -> untied LM head fused with the loss. Forward and backward are explicit, block by block.
+#include <memory>
+#include <vector>
+
+#include "model/attention.h"
+#include "model/config.h"
+#include "model/layers.h"
+#include "model/lm_head_loss.h"
+#include "moe/dispatcher.h"
+#include "moe/moe_layer.h"
+
+namespace moe {
+
+struct LossOptions {
+  double z_loss = 0.0;
+  float grad_scale = 1.0f;  // d(objective)/d(this micro-batch's loss), e.g. 1/accumulation steps
+};
+
+class Block {
+ public:
+  Block(const ModelConfig& cfg, int64_t layer, Dispatcher& dispatcher);
+  Tensor forward(const Tensor& x, const BatchShape& shape, Pass pass);
+  Tensor backward(const Tensor& dy, float aux_grad_scale);
+  void collect(ParamList& out);
+  bool has_saved() const;
+
+  RMSNorm input_norm, post_attention_norm;
+  MLAttention attention;
+  std::unique_ptr<SwiGLU> mlp;     // first_k_dense_replace layers
+  std::unique_ptr<MoELayer> moe;   // the rest
+};
+
+class DeepSeekModel {
+ public:
+  explicit DeepSeekModel(const ModelConfig& cfg, std::shared_ptr<Dispatcher> dispatcher = nullptr);
+
+  const ModelConfig& config() const { return cfg_; }
+  // Every parameter, in checkpoint order (HF key names).
+  const ParamList& params() const { return params_; }
+  ParamList trainable_params() const;
+  // Deterministic initialisation: each tensor drawn from a stream keyed by (seed, name).
+  void init_weights(uint64_t seed);
+  void allocate_grads();
+  void zero_grads();
+
+  // tokens, targets: I32 [batch*seq]. Pass::Train keeps what backward() needs.
+  LossResult forward(const Tensor& tokens, const Tensor& targets, const BatchShape& shape,
+                     Pass pass, const LossOptions& options = {});
+  void backward();
+  // Logits [batch*seq, vocab] in inference mode (nothing is kept).
+  Tensor logits(const Tensor& tokens, const BatchShape& shape);
+
+  std::vector<MoELayer*> moe_layers() const;
+  // Aux-loss-free balancing: call between backward and the optimizer step.
+  void update_router_biases(double rate);
+  bool has_saved() const;
+
+ private:
+  Tensor hidden_states(const Tensor& tokens, const BatchShape& shape, Pass pass);
+
+  ModelConfig cfg_;
+  std::shared_ptr<Dispatcher> dispatcher_;
+  Embedding embed_;
+  std::vector<std::unique_ptr<Block>> blocks_;
+  RMSNorm final_norm_;
+  LMHeadLoss head_;
+  ParamList params_;
+  float last_grad_scale_ = 1.0f;
+};
+
+}  // namespace moe

@@ -1,0 +1,240 @@
+#include "moe/moe_layer.h"
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/activations.h"
+#include "kernels/gemm.h"
+
+namespace moe {
+
+namespace {
+
+Tensor activation(const Shape& shape) {
+  return Tensor::empty(shape, DType::F32, MemCategory::Activations);
+}
+
+}  // namespace
+
+void MoELayer::init(const std::string& prefix, const ModelConfig& cfg, Dispatcher& dispatcher) {
+  router_ = RouterConfig::from(cfg);
+  MOE_CHECK(cfg.hidden_size > 0 && cfg.moe_intermediate_size > 0 && cfg.n_shared_experts >= 0,
+            "{}: MoE layer needs hidden_size > 0, moe_intermediate_size > 0 and "
+            "n_shared_experts >= 0, got {}, {}, {}",
+            prefix, cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_shared_experts);
+  MOE_CHECK(cfg.aux_loss_alpha >= 0, "{}: field 'aux_loss_alpha' must be >= 0, got {}", prefix,
+            cfg.aux_loss_alpha);
+  // HF's seq_aux = false selects a batch-wise variant this engine does not implement; failing
+  // beats silently training with a different loss.
+  MOE_CHECK(cfg.seq_aux || cfg.aux_loss_alpha == 0,
+            "{}: only the sequence-wise auxiliary loss is implemented (seq_aux = true), but "
+            "seq_aux = false with aux_loss_alpha = {}",
+            prefix, cfg.aux_loss_alpha);
+  dim_ = cfg.hidden_size;
+  hidden_ = cfg.moe_intermediate_size;
+  aux_alpha_ = cfg.aux_loss_alpha;
+  dispatcher_ = &dispatcher;
+  const int64_t E = router_.num_experts;
+  local_ = dispatcher.local_experts(E);
+  MOE_CHECK(local_.first >= 0 && local_.count >= 0 && local_.first + local_.count <= E,
+            "{}: dispatcher gave local experts [{}, {}) outside [0, {})", prefix, local_.first,
+            local_.first + local_.count, E);
+
+  gate_weight.init(prefix + "gate.weight", {E, dim_}, /*decay=*/true);
+  gate_bias.init(prefix + "gate.e_score_correction_bias", {E}, /*decay=*/false);
+  gate_bias.trainable = false;
+
+  auto dense = std::make_unique<DenseExpertWeights>();
+  dense->init(prefix, local_, dim_, hidden_);
+  dense_ = dense.get();
+  experts_ = std::move(dense);
+
+  if (cfg.n_shared_experts > 0) {
+    shared_ = std::make_unique<SwiGLU>();
+    shared_->init(prefix + "shared_experts.", dim_, hidden_ * cfg.n_shared_experts);
+  }
+  counts_.assign(static_cast<size_t>(E), 0);
+}
+
+void MoELayer::collect(ParamList& out) {
+  out.push_back(&gate_weight);
+  out.push_back(&gate_bias);
+  experts_->collect(out);
+  if (shared_) shared_->collect(out);
+}
+
+void MoELayer::allocate_grads() {
+  gate_weight.allocate_grad();
+  experts_->allocate_grads();
+  if (shared_) {
+    ParamList ps;
+    shared_->collect(ps);
+    for (Param* p : ps)
+      if (p->trainable) p->allocate_grad();
+  }
+}
+
+bool MoELayer::has_saved() const {
+  return saved_.x.defined() || saved_.handle.live() || (shared_ && shared_->has_saved());
+}
+
+Tensor MoELayer::forward(const Tensor& x, const BatchShape& shape, Pass pass) {
+  MOE_CHECK(x.ndim() == 2 && x.dim(1) == dim_, "{}: expected input [T, {}], got {}",
+            gate_weight.name, dim_, shape_str(x.shape()));
+  const int64_t T = x.dim(0), E = router_.num_experts, H = hidden_;
+  MOE_CHECK(shape.tokens() == T, "{}: {} input rows but batch {} x seq {}", gate_weight.name, T,
+            shape.batch, shape.seq);
+  const bool train = needs_backward(pass);
+  if (train) saved_ = Saved{};  // a Train forward without its backward is superseded
+
+  // Router logits stay fp32 whatever the weights' storage: selection flips on small rounding.
+  Tensor logits = activation({T, E});
+  gemm_nt(T, E, dim_, x.f32(), dim_, gate_weight.w(), dim_, logits.f32(), E, false);
+  Routing routing = route(router_, logits, gate_bias.w());
+  logits.reset();
+
+  SeqAux aux;
+  const bool with_aux = train && aux_alpha_ > 0;
+  if (train) {
+    const int32_t* ids = routing.ids.i32();
+    for (int64_t s = 0; s < routing.ids.numel(); ++s) ++counts_[static_cast<size_t>(ids[s])];
+    aux_loss_ = 0.0;
+    if (with_aux) {
+      aux = seq_aux_loss(router_, routing, shape, aux_alpha_);
+      aux_loss_ = aux.loss;
+    }
+  }
+
+  Dispatched d = dispatcher_->dispatch(x, routing.ids, routing.weights, E);
+  const ExpertSegments seg = ExpertSegments::from(d.handle);
+  const int64_t R = seg.total_rows();
+
+  Tensor g = activation({R, H}), u = activation({R, H});
+  experts_->gate_up_forward(seg, d.rows.f32(), g.f32(), u.f32());
+  const bool keep_rows = train && experts_->trainable();
+  if (!keep_rows) d.rows.reset();  // lowers the peak of evaluation and inference forwards
+  Tensor h = activation({R, H});
+  swiglu_forward(g.f32(), u.f32(), h.f32(), R * H);
+  if (!train) g.reset(), u.reset();
+  {
+    const float* rw = d.row_weights.f32();
+    float* hp = h.f32();
+    parallel_for(0, R, [&](int64_t r) {
+      for (int64_t i = 0; i < H; ++i) hp[r * H + i] *= rw[r];
+    });
+  }
+  Tensor o = activation({R, dim_});
+  experts_->down_forward(seg, h.f32(), o.f32());
+  h.reset();
+  Tensor y = dispatcher_->combine(o, d.handle, pass);
+  o.reset();
+
+  if (shared_) {
+    Tensor ys = shared_->forward(x, pass);
+    add_inplace(y.f32(), ys.f32(), y.numel());
+  }
+
+  if (train) {
+    saved_.x = x;
+    saved_.routing = std::move(routing);
+    saved_.rows = std::move(d.rows);
+    saved_.g = std::move(g);
+    saved_.u = std::move(u);
+    saved_.row_weights = std::move(d.row_weights);
+    saved_.aux = std::move(aux);
+    saved_.has_aux = with_aux;
+    saved_.handle = std::move(d.handle);
+    saved_.shape = shape;
+  }
+  return y;
+}
+
+Tensor MoELayer::backward(const Tensor& dy, float aux_grad_scale) {
+  MOE_CHECK(saved_.x.defined() && saved_.handle.live(), "{}: backward without a training forward",
+            gate_weight.name);
+  const int64_t T = saved_.x.dim(0), E = router_.num_experts, H = hidden_, D = dim_;
+  MOE_CHECK(dy.ndim() == 2 && dy.dim(0) == T && dy.dim(1) == D, "{}: expected dy [{}, {}], got {}",
+            gate_weight.name, T, D, shape_str(dy.shape()));
+  Handle& handle = saved_.handle;
+  const ExpertSegments seg = ExpertSegments::from(handle);
+  const int64_t R = seg.total_rows();
+
+  Tensor d_out = dispatcher_->combine_backward(dy, handle);
+  Tensor d_h = activation({R, H});
+  experts_->down_backward_input(seg, d_out.f32(), d_h.f32());
+
+  // h is recomputed from the saved g, u rather than kept: one elementwise pass instead of R·H
+  // more saved floats.
+  Tensor h = activation({R, H});
+  swiglu_forward(saved_.g.f32(), saved_.u.f32(), h.f32(), R * H);
+  Tensor d_row_w = activation({R});
+  {
+    const float* rw = saved_.row_weights.f32();
+    float* hp = h.f32();
+    float* dhp = d_h.f32();
+    float* dw = d_row_w.f32();
+    parallel_for(0, R, [&](int64_t r) {
+      float* hr = hp + r * H;
+      float* dr = dhp + r * H;
+      double dot = 0;
+      for (int64_t i = 0; i < H; ++i) dot += static_cast<double>(dr[i]) * hr[i];
+      dw[r] = static_cast<float>(dot);
+      for (int64_t i = 0; i < H; ++i) hr[i] *= rw[r], dr[i] *= rw[r];
+    });
+  }
+  const bool weight_grads = experts_->trainable();
+  if (weight_grads) experts_->down_backward_weight(seg, d_out.f32(), h.f32());
+  h.reset();
+  d_out.reset();
+
+  // dg, du overwrite the saved g, u (no longer needed).
+  float* dg = saved_.g.f32();
+  float* du = saved_.u.f32();
+  swiglu_backward(dg, du, d_h.f32(), dg, du, R * H);
+  d_h.reset();
+  Tensor d_rows = activation({R, D});
+  experts_->gate_up_backward_input(seg, dg, du, d_rows.f32());
+  if (weight_grads) experts_->gate_up_backward_weight(seg, dg, du, saved_.rows.f32());
+  saved_.rows.reset();
+  saved_.g.reset();
+  saved_.u.reset();
+
+  Tensor d_weights = dispatcher_->row_weights_backward(d_row_w, handle);
+  Tensor dx = dispatcher_->dispatch_backward(d_rows, handle);  // releases the handle
+  d_rows.reset();
+
+  Tensor d_logits =
+      route_backward(router_, saved_.routing, d_weights, saved_.has_aux ? &saved_.aux : nullptr,
+                     saved_.shape, aux_alpha_, aux_grad_scale);
+  const float* x = saved_.x.f32();
+  if (gate_weight.grad.defined())
+    gemm_tn(E, D, T, d_logits.f32(), E, x, D, gate_weight.g(), D, true);
+  gemm_nn(T, D, E, d_logits.f32(), E, gate_weight.w(), D, dx.f32(), D, true);
+
+  if (shared_) {
+    Tensor dxs = shared_->backward(dy);
+    add_inplace(dx.f32(), dxs.f32(), dx.numel());
+  }
+  saved_ = Saved{};
+  return dx;
+}
+
+void MoELayer::update_bias(double rate) {
+  const int64_t E = router_.num_experts;
+  double mean = 0;
+  for (int64_t c : counts_) mean += static_cast<double>(c);
+  mean /= static_cast<double>(E);
+  std::vector<double> delta(static_cast<size_t>(E));
+  double mean_delta = 0;
+  for (int64_t i = 0; i < E; ++i) {
+    const double gap = mean - static_cast<double>(counts_[static_cast<size_t>(i)]);
+    delta[static_cast<size_t>(i)] = rate * static_cast<double>((gap > 0) - (gap < 0));
+    mean_delta += delta[static_cast<size_t>(i)];
+  }
+  mean_delta /= static_cast<double>(E);
+  float* b = gate_bias.w();
+  for (int64_t i = 0; i < E; ++i)
+    b[i] = static_cast<float>(b[i] + (delta[static_cast<size_t>(i)] - mean_delta));
+  std::fill(counts_.begin(), counts_.end(), 0);
+}
+
+}  // namespace moe

@@ -1,0 +1,84 @@
+#pragma once
+// The DeepSeek MoE FFN: router -> dispatch -> grouped SwiGLU experts -> combine, plus the
+// shared experts (SPEC §2 "MoE layer", §3). Dropless: every (token, slot) is computed.
+//
+// Forward per routed row r (token t, slot j, weight w = weights[t, j]):
+//   g, u = x_t·W_gateᵀ, x_t·W_upᵀ;  h = silu(g)·u;  o_r = W_down·(w·h)
+//   y_t = Σ_j o_{row(t,j)} (j ascending, fp32) + Shared(x_t)
+// The routing weight scales h before the down projection (mathematically the reference's
+// w·Expert(x)); the dispatcher then stays a pure permutation + sum whose backward is its own
+// transpose, and dw = <dh_scaled, h> is a dot over the expert width that needs no saved
+// expert output.
+//
+// Saved for backward (Train only): x, router scores/ids/weights, the dispatched rows (only for
+// trainable experts), g and u, the per-row weights, the aux-loss f, and the dispatch Handle
+// (MemCategory::Routing). Backward releases all of it.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/layers.h"
+#include "model/param.h"
+#include "moe/dispatcher.h"
+#include "moe/expert_weights.h"
+#include "moe/router.h"
+
+namespace moe {
+
+class MoELayer {
+ public:
+  // prefix like "model.layers.3.mlp."; keys gate.weight [E, dim], gate.e_score_correction_bias
+  // [E] (not trainable, no decay: moved by update_bias only), experts.M.{gate,up,down}_proj.weight
+  // for the dispatcher's local experts, shared_experts.{...}.weight when n_shared_experts > 0.
+  void init(const std::string& prefix, const ModelConfig& cfg, Dispatcher& dispatcher);
+  // x [T, dim] with T = shape.tokens().
+  Tensor forward(const Tensor& x, const BatchShape& shape, Pass pass);
+  // aux_grad_scale = d(total loss)/d(aux loss) (1 normally; 1/n for gradient accumulation).
+  Tensor backward(const Tensor& dy, float aux_grad_scale = 1.0f);
+  void collect(ParamList& out);
+  // Router and shared grads as usual; expert grads as views of one contiguous buffer.
+  void allocate_grads();
+  // Sequence-wise aux loss of the last Train forward (0 when aux_loss_alpha == 0).
+  double aux_loss() const { return aux_loss_; }
+  // Tokens per expert (global ids), summed over Train forwards since the last update_bias.
+  const std::vector<int64_t>& expert_counts() const { return counts_; }
+  // bias += rate·sign(mean - count), re-centred to a zero-mean update; then resets the counts.
+  void update_bias(double rate);
+  bool has_saved() const;
+
+  const RouterConfig& router_config() const { return router_; }
+  ExpertRange local_experts() const { return local_; }
+  ExpertWeights& experts() { return *experts_; }
+  // The fp32 expert store (null once a packed store replaces it).
+  DenseExpertWeights* dense_experts() { return dense_; }
+  SwiGLU* shared_experts() { return shared_.get(); }
+
+  Param gate_weight;  // [E, dim]
+  Param gate_bias;    // [E]
+
+ private:
+  struct Saved {
+    Tensor x;
+    Routing routing;
+    Tensor rows, g, u, row_weights;
+    SeqAux aux;
+    bool has_aux = false;
+    Handle handle;
+    BatchShape shape;
+  };
+
+  RouterConfig router_;
+  int64_t dim_ = 0, hidden_ = 0;
+  double aux_alpha_ = 0.0;
+  ExpertRange local_;
+  Dispatcher* dispatcher_ = nullptr;
+  std::unique_ptr<ExpertWeights> experts_;
+  DenseExpertWeights* dense_ = nullptr;
+  std::unique_ptr<SwiGLU> shared_;
+  std::vector<int64_t> counts_;
+  double aux_loss_ = 0.0;
+  Saved saved_;
+};
+
+}  // namespace moe

@@ -1,0 +1,46 @@
+#pragma once
+// AdamW with fp32 moments and decoupled weight decay, step for step as torch.optim.AdamW, plus
+// global gradient-norm clipping as torch.nn.utils.clip_grad_norm_.
+#include <cstdint>
+#include <vector>
+
+#include "model/param.h"
+
+namespace moe {
+
+struct AdamWConfig {
+  double lr = 3e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;  // applied only to params with weight_decay == true
+};
+
+class AdamW {
+ public:
+  AdamW(ParamList params, const AdamWConfig& cfg);
+  // One update at learning rate `lr`; params without a gradient are skipped.
+  void step(double lr);
+  int64_t steps() const { return step_; }
+  void set_steps(int64_t s) { step_ = s; }
+  const AdamWConfig& config() const { return cfg_; }
+  // Moments in parameter order, for checkpoints.
+  const std::vector<Tensor>& first_moments() const { return m_; }
+  const std::vector<Tensor>& second_moments() const { return v_; }
+  const ParamList& params() const { return params_; }
+
+ private:
+  ParamList params_;
+  AdamWConfig cfg_;
+  std::vector<Tensor> m_, v_;
+  int64_t step_ = 0;
+};
+
+// Global L2 norm of all gradients (fixed-order, in double).
+double grad_norm(const ParamList& params);
+// Scales gradients so their global norm is at most max_norm; returns the norm before clipping.
+double clip_grad_norm(const ParamList& params, double max_norm);
+// True when any gradient holds a NaN or an infinity.
+bool grads_finite(const ParamList& params);
+
+}  // namespace moe
