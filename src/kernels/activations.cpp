@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/parallel.h"
+#include "kernels/vector_math.h"
 
 namespace moe {
 
@@ -19,23 +20,16 @@ void for_chunks(int64_t n, F&& body) {
   });
 }
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 }  // namespace
 
 void swiglu_forward(const float* g, const float* u, float* h, int64_t n) {
-  for_chunks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) h[i] = g[i] * sigmoid(g[i]) * u[i];
-  });
+  for_chunks(n, [&](int64_t lo, int64_t hi) { swiglu_row(g + lo, u + lo, h + lo, hi - lo); });
 }
 
 void swiglu_backward(const float* g, const float* u, const float* dh, float* dg, float* du,
                      int64_t n) {
   for_chunks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const float gi = g[i], ui = u[i], s = sigmoid(gi), d = dh[i];
-      dg[i] = d * ui * (s * (1.0f + gi * (1.0f - s)));
-      du[i] = d * gi * s;
-    }
+    swiglu_backward_row(g + lo, u + lo, dh + lo, dg + lo, du + lo, hi - lo);
   });
 }
 

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/gemm.h"
+#include "kernels/vector_math.h"
 
 namespace moe {
 
@@ -143,15 +144,7 @@ void MLAttention::attention_core(const Tensor& q, const Tensor& kv, const Tensor
     for (int64_t i = 0; i < M; ++i) {
       float* row = sc + i * S;
       const int64_t valid = r0 + i + 1;  // keys 0..r0+i are visible
-      float mx = row[0];
-      for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
-      double sum = 0;
-      for (int64_t j = 0; j < valid; ++j) {
-        row[j] = std::exp(row[j] - mx);
-        sum += row[j];
-      }
-      const float inv = static_cast<float>(1.0 / sum);
-      for (int64_t j = 0; j < valid; ++j) row[j] *= inv;
+      softmax_inplace(row, valid);
       // Masked keys inside the block's [0, r1) window take part in the P·v GEMM and backward.
       std::fill(row + valid, row + N, 0.0f);
     }

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/gemm.h"
+#include "kernels/vector_math.h"
 
 namespace moe {
 
@@ -70,18 +71,16 @@ LossResult LMHeadLoss::forward(const Tensor& h, const Tensor& targets, Pass pass
         if (train) std::fill(zr, zr + vocab, 0.0f);
         return;
       }
-      float mx = zr[0];
-      for (int64_t j = 1; j < vocab; ++j) mx = std::max(mx, zr[j]);
-      double sum = 0;
-      for (int64_t j = 0; j < vocab; ++j) sum += std::exp(static_cast<double>(zr[j] - mx));
+      const float target_logit = zr[tgt[t]];
+      const float mx = row_max(zr, vocab);
+      const double sum = exp_shift_sum(zr, vocab, mx);  // zr now holds exp(z - max)
       const double l = mx + std::log(sum);
       lse[t] = l;
-      nll[t] = l - zr[tgt[t]];
+      nll[t] = l - target_logit;
       if (!train) return;
       // d/dz of (CE + z_coef*lse^2), both averaged over counted tokens.
       const double scale = grad_scale * inv_count * (1.0 + 2.0 * z_coef * l);
-      for (int64_t j = 0; j < vocab; ++j)
-        zr[j] = static_cast<float>(std::exp(static_cast<double>(zr[j]) - l) * scale);
+      scale_row(zr, vocab, static_cast<float>(scale / sum));
       zr[tgt[t]] -= static_cast<float>(grad_scale * inv_count);
     });
     if (train) {

@@ -1,3 +1,4 @@
+#include "kernels/vector_math.h"
 #include "moe/router.h"
 
 #include <cmath>
@@ -70,18 +71,9 @@ int64_t argmax_allowed(const float* v, const uint8_t* allowed, int64_t n) {
 }
 
 void score_row(Scoring scoring, const float* logits, float* s, int64_t E) {
-  if (scoring == Scoring::Sigmoid) {
-    for (int64_t i = 0; i < E; ++i) s[i] = 1.0f / (1.0f + std::exp(-logits[i]));
-    return;
-  }
-  float m = logits[0];
-  for (int64_t i = 1; i < E; ++i) m = std::max(m, logits[i]);
-  double sum = 0;
-  for (int64_t i = 0; i < E; ++i) {
-    s[i] = std::exp(logits[i] - m);
-    sum += s[i];
-  }
-  for (int64_t i = 0; i < E; ++i) s[i] = static_cast<float>(s[i] / sum);
+  if (scoring == Scoring::Sigmoid) return sigmoid_row(logits, s, E);
+  std::copy(logits, logits + E, s);
+  softmax_inplace(s, E);
 }
 
 }  // namespace

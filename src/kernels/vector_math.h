@@ -1,0 +1,25 @@
+#pragma once
+// Row kernels vectorised with Google Highway (runtime dispatch to the best SIMD target). Each
+// call works on one contiguous row, serially: callers parallelise over rows, so results never
+// depend on the thread count. Tails use masked loads, so every element takes the same path.
+#include <cstdint>
+
+namespace moe {
+
+float row_max(const float* x, int64_t n);
+// x[i] = exp(x[i] - shift); returns the sum of the new values.
+double exp_shift_sum(float* x, int64_t n, float shift);
+void scale_row(float* x, int64_t n, float s);
+void sigmoid_row(const float* x, float* y, int64_t n);
+// h = silu(g) * u
+void swiglu_row(const float* g, const float* u, float* h, int64_t n);
+// dg = dh * u * silu'(g), du = dh * silu(g); outputs may alias g and u.
+void swiglu_backward_row(const float* g, const float* u, const float* dh, float* dg, float* du,
+                         int64_t n);
+
+// Numerically stable softmax of a row in place; returns log-sum-exp of the input.
+double softmax_inplace(float* x, int64_t n);
+// log(sum(exp(x))) without modifying x (uses `scratch` of n floats).
+double log_sum_exp(const float* x, float* scratch, int64_t n);
+
+}  // namespace moe
