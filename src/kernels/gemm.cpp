@@ -29,18 +29,22 @@ void sgemm_tile(Layout layout, int64_t M, int64_t N, int64_t K, float alpha, con
               static_cast<int>(ldc));
 }
 
+// False when there is nothing to multiply; an empty contraction (an expert with no tokens)
+// leaves C, or clears it.
+bool nonempty(int64_t M, int64_t N, int64_t K, float* C, int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0) return false;
+  if (K > 0) return true;
+  if (!accumulate)
+    for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * N);
+  return false;
+}
+
 void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
           const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
   // Pins OpenBLAS to one thread even for callers that never chose a thread count.
   static const bool kThreadPolicy = (set_num_threads(num_threads()), true);
   (void)kThreadPolicy;
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    // An empty contraction (an expert with no tokens) leaves C, or clears it.
-    if (!accumulate)
-      for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * N);
-    return;
-  }
+  if (!nonempty(M, N, K, C, ldc, accumulate)) return;
   const float beta = accumulate ? 1.0f : 0.0f;
   const bool split_rows = M >= N;
   const int64_t extent = split_rows ? M : N;
@@ -61,7 +65,26 @@ void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_
   parallel_for_dynamic(0, tiles, run_tile);
 }
 
+void gemm_serial(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                 const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
+  if (nonempty(M, N, K, C, ldc, accumulate))
+    sgemm_tile(layout, M, N, K, alpha, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C, ldc);
+}
+
 }  // namespace
+
+void gemm_nt_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
+  gemm_serial(Layout::NT, M, N, K, A, lda, B, ldb, C, ldc, accumulate, alpha);
+}
+void gemm_nn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
+  gemm_serial(Layout::NN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, alpha);
+}
+void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
+  gemm_serial(Layout::TN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, alpha);
+}
 
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
              int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {

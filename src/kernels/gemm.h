@@ -16,6 +16,17 @@ void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
 void gemm_tn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
              int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
 
+// One OpenBLAS call on the calling thread, for work items that already run inside a
+// parallel_for body (attention heads, expert segments): no re-tiling, so one item packs its
+// operands once. Outside a parallel region use the tiled forms above, whose bits never depend
+// on the thread count. Same contract for M, N or K = 0.
+void gemm_nt_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
+void gemm_nn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
+void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
+
 // Dense-layer conveniences over contiguous buffers: x [T,in], W [out,in], y [T,out].
 inline void linear_forward(const float* x, const float* W, float* y, int64_t T, int64_t in,
                            int64_t out, bool accumulate = false) {

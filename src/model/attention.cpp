@@ -139,8 +139,8 @@ void MLAttention::attention_core(const Tensor& q, const Tensor& kv, const Tensor
     const float* qrows = qp + (b * S + r0) * ldq + h * qk_dim();
     const float* k_nope = kvp + b * S * ldkv + h * (dn + dv);
     const float* v = k_nope + dn;
-    gemm_nt(M, N, dn, qrows, ldq, k_nope, ldkv, sc, S, /*accumulate=*/false, scale);
-    gemm_nt(M, N, dr, qrows + dn, ldq, kpe + b * S * dr, dr, sc, S, /*accumulate=*/true, scale);
+    gemm_nt_serial(M, N, dn, qrows, ldq, k_nope, ldkv, sc, S, /*accumulate=*/false, scale);
+    gemm_nt_serial(M, N, dr, qrows + dn, ldq, kpe + b * S * dr, dr, sc, S, /*accumulate=*/true, scale);
     for (int64_t i = 0; i < M; ++i) {
       float* row = sc + i * S;
       const int64_t valid = r0 + i + 1;  // keys 0..r0+i are visible
@@ -148,7 +148,7 @@ void MLAttention::attention_core(const Tensor& q, const Tensor& kv, const Tensor
       // Masked keys inside the block's [0, r1) window take part in the P·v GEMM and backward.
       std::fill(row + valid, row + N, 0.0f);
     }
-    gemm_nn(M, dv, N, sc, S, v, ldkv, op + (b * S + r0) * ldo + h * dv, ldo, false);
+    gemm_nn_serial(M, dv, N, sc, S, v, ldkv, op + (b * S + r0) * ldo + h * dv, ldo, false);
   });
 }
 
@@ -237,8 +237,8 @@ Tensor MLAttention::backward(const Tensor& dy) {
         const float* qrows = qp + (b * S + r0) * ldq + h * qk_dim();
         float* dqrows = dqp + (b * S + r0) * ldq + h * qk_dim();
         // dV[0:N] += Pᵀ·dO and dP = dO·Vᵀ.
-        gemm_tn(N, dv, M, P, S, dO, ldo, dvp, ldkv, /*accumulate=*/true);
-        gemm_nt(M, N, dv, dO, ldo, v, ldkv, dP, S, /*accumulate=*/false);
+        gemm_tn_serial(N, dv, M, P, S, dO, ldo, dvp, ldkv, /*accumulate=*/true);
+        gemm_nt_serial(M, N, dv, dO, ldo, v, ldkv, dP, S, /*accumulate=*/false);
         // Softmax backward, dS = P ⊙ (dP − rowsum(dP ⊙ P)), times the score scale; written
         // over P, which is not needed again. Masked entries stay 0 because P is 0 there.
         for (int64_t i = 0; i < M; ++i) {
@@ -251,9 +251,9 @@ Tensor MLAttention::backward(const Tensor& dy) {
           for (int64_t j = 0; j < valid; ++j) p[j] = scale * (p[j] * (dp[j] - d));
         }
         // dQ = dS·K for this block's rows; dK_nope[0:N] += dSᵀ·Q_nope (dK_pe: below).
-        gemm_nn(M, dn, N, P, S, k_nope, ldkv, dqrows, ldq, false);
-        gemm_nn(M, dr, N, P, S, k_rot, dr, dqrows + dn, ldq, false);
-        gemm_tn(N, dn, M, P, S, qrows, ldq, dk_nope, ldkv, true);
+        gemm_nn_serial(M, dn, N, P, S, k_nope, ldkv, dqrows, ldq, false);
+        gemm_nn_serial(M, dr, N, P, S, k_rot, dr, dqrows + dn, ldq, false);
+        gemm_tn_serial(N, dn, M, P, S, qrows, ldq, dk_nope, ldkv, true);
       }
     });
 
@@ -266,7 +266,7 @@ Tensor MLAttention::backward(const Tensor& dy) {
       const int64_t b = task / nblk, kb = task % nblk;  // longest first: kb = 0 sees all queries
       const int64_t k0 = kb * kBlock, k1 = std::min(S, k0 + kBlock);
       for (int64_t h = 0; h < H; ++h)
-        gemm_tn(k1 - k0, dr, S - k0, pp + ((b * H + h) * S + k0) * S + k0, S,
+        gemm_tn_serial(k1 - k0, dr, S - k0, pp + ((b * H + h) * S + k0) * S + k0, S,
                 qp + (b * S + k0) * ldq + h * qk_dim() + dn, ldq, dkpe + (b * S + k0) * dr, dr,
                 /*accumulate=*/h > 0);
     });

@@ -1,12 +1,10 @@
 #include "moe/expert_weights.h"
 
-#include <cblas.h>
-
 #include <algorithm>
-#include <cstring>
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "kernels/gemm.h"
 
 namespace moe {
 
@@ -28,27 +26,6 @@ namespace {
 // 0.71 of the dense rate, 512 x whole width 0.81-0.85.
 constexpr int64_t kRowBlock = 512;
 constexpr int64_t kColBlock = 4096;
-
-// One single-threaded sgemm per work item. The engine's gemm wrappers re-tile each call into
-// 64-wide pieces (to spread one large GEMM over threads), which here only multiplies the
-// packing: through them the same items ran at 0.61-0.64 of the dense rate. Called only inside
-// run_items' parallel region, where the OpenMP build of OpenBLAS stays on one thread, so the
-// bits of an item never depend on the thread count. Same M = 0 / N = 0 / K = 0 contract as
-// the wrappers: an empty contraction clears C or leaves it.
-enum class Op { NT, NN, TN };
-void item_gemm(Op op, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-               int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    if (!accumulate)
-      for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * N);
-    return;
-  }
-  cblas_sgemm(CblasRowMajor, op == Op::TN ? CblasTrans : CblasNoTrans,
-              op == Op::NT ? CblasTrans : CblasNoTrans, static_cast<int>(M), static_cast<int>(N),
-              static_cast<int>(K), 1.0f, A, static_cast<int>(lda), B, static_cast<int>(ldb),
-              accumulate ? 1.0f : 0.0f, C, static_cast<int>(ldc));
-}
 
 struct Item {
   int64_t expert, part, r0, rn, c0, cn, cost;
@@ -149,7 +126,7 @@ void DenseExpertWeights::gate_up_forward(const ExpertSegments& seg, const float*
     const int64_t row = seg.begin(it.expert) + it.r0;
     const Param& w = it.part == 0 ? gate(it.expert) : up(it.expert);
     float* out = it.part == 0 ? g : u;
-    item_gemm(Op::NT, it.rn, it.cn, D, x + row * D, D, w.w() + it.c0 * D, D, out + row * H + it.c0,
+    gemm_nt_serial(it.rn, it.cn, D, x + row * D, D, w.w() + it.c0 * D, D, out + row * H + it.c0,
               H, false);
   });
 }
@@ -159,7 +136,7 @@ void DenseExpertWeights::down_forward(const ExpertSegments& seg, const float* h,
   auto items = row_items(seg, 1, D, H);
   run_items(items, [&](const Item& it) {
     const int64_t row = seg.begin(it.expert) + it.r0;
-    item_gemm(Op::NT, it.rn, it.cn, H, h + row * H, H, down(it.expert).w() + it.c0 * H, H,
+    gemm_nt_serial(it.rn, it.cn, H, h + row * H, H, down(it.expert).w() + it.c0 * H, H,
               y + row * D + it.c0, D, false);
   });
 }
@@ -170,7 +147,7 @@ void DenseExpertWeights::down_backward_input(const ExpertSegments& seg, const fl
   auto items = row_items(seg, 1, H, D);
   run_items(items, [&](const Item& it) {
     const int64_t row = seg.begin(it.expert) + it.r0;
-    item_gemm(Op::NN, it.rn, it.cn, D, dy + row * D, D, down(it.expert).w() + it.c0, H,
+    gemm_nn_serial(it.rn, it.cn, D, dy + row * D, D, down(it.expert).w() + it.c0, H,
               dh + row * H + it.c0, H, false);
   });
 }
@@ -183,9 +160,9 @@ void DenseExpertWeights::gate_up_backward_input(const ExpertSegments& seg, const
     const int64_t row = seg.begin(it.expert) + it.r0;
     float* out = dx + row * D + it.c0;
     // Gate then up into the same tile: a fixed two-term order.
-    item_gemm(Op::NN, it.rn, it.cn, H, dg + row * H, H, gate(it.expert).w() + it.c0, D, out, D,
+    gemm_nn_serial(it.rn, it.cn, H, dg + row * H, H, gate(it.expert).w() + it.c0, D, out, D,
               false);
-    item_gemm(Op::NN, it.rn, it.cn, H, du + row * H, H, up(it.expert).w() + it.c0, D, out, D, true);
+    gemm_nn_serial(it.rn, it.cn, H, du + row * H, H, up(it.expert).w() + it.c0, D, out, D, true);
   });
 }
 
@@ -198,7 +175,7 @@ void DenseExpertWeights::gate_up_backward_weight(const ExpertSegments& seg, cons
     if (!w.grad.defined()) return;
     const int64_t row = seg.begin(it.expert);
     const float* d = (it.part == 0 ? dg : du) + row * H + it.r0;
-    item_gemm(Op::TN, it.rn, it.cn, seg.rows(it.expert), d, H, x + row * D + it.c0, D,
+    gemm_tn_serial(it.rn, it.cn, seg.rows(it.expert), d, H, x + row * D + it.c0, D,
               w.g() + it.r0 * D + it.c0, D, true);
   });
 }
@@ -211,7 +188,7 @@ void DenseExpertWeights::down_backward_weight(const ExpertSegments& seg, const f
     const Param& w = down(it.expert);
     if (!w.grad.defined()) return;
     const int64_t row = seg.begin(it.expert);
-    item_gemm(Op::TN, it.rn, it.cn, seg.rows(it.expert), dy + row * D + it.r0, D,
+    gemm_tn_serial(it.rn, it.cn, seg.rows(it.expert), dy + row * D + it.r0, D,
               h + row * H + it.c0, H, w.g() + it.r0 * H + it.c0, H, true);
   });
 }
