@@ -109,4 +109,19 @@ ParamCounts count_params(const ModelConfig& c) {
   return p;
 }
 
+double train_flops_per_token(const ModelConfig& c, int64_t seq) {
+  const ParamCounts p = count_params(c);
+  // Active weights that take part in a matmul: not the embedding row, not the norm vectors.
+  double matmul = static_cast<double>(p.active_per_token - c.hidden_size);
+  matmul -= static_cast<double>(c.hidden_size);  // final norm
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    matmul -= static_cast<double>(2 * c.hidden_size + c.kv_lora_rank + (c.q_lora_rank > 0 ? c.q_lora_rank : 0));
+  // Causal attention: on average a token attends to (seq + 1) / 2 keys.
+  const double keys = static_cast<double>(seq + 1) / 2.0;
+  const double attention = 2.0 * static_cast<double>(c.num_attention_heads) * keys *
+                           static_cast<double>(c.qk_head_dim() + c.v_head_dim) *
+                           static_cast<double>(c.num_hidden_layers);
+  return 3.0 * (2.0 * matmul + attention);
+}
+
 }  // namespace moe

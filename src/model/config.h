@@ -67,4 +67,9 @@ struct ParamCounts {
 
 ParamCounts count_params(const ModelConfig& c);
 
+// Matmul FLOPs of one training step (forward + backward = 3x forward) per token at sequence
+// length `seq`: 6 x active matmul weights, plus causal attention scores and values. Norms,
+// activations and the optimizer are not counted (the usual MFU convention).
+double train_flops_per_token(const ModelConfig& c, int64_t seq);
+
 }  // namespace moe
