@@ -15,6 +15,8 @@ int main(int argc, char** argv) {
   app.parse_complete_callback([&] { moe::set_num_threads(threads); });
   moe::cli::add_info_command(app);
   moe::cli::add_logits_command(app);
+  moe::cli::add_train_command(app);
+  moe::cli::add_sample_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

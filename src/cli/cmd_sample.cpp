@@ -1,0 +1,92 @@
+// `moe sample`: continue a prompt with a trained model (byte tokenizer). Without a KV cache
+// each new token recomputes the forward over the context window, which is fine for the small
+// models this is meant for.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "data/tokenizer.h"
+#include "io/checkpoint.h"
+#include "io/hf_config.h"
+#include "model/model.h"
+#include "train/checkpoint_state.h"
+#include "train/sampling.h"
+
+namespace moe::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct SampleArgs {
+  std::string model_dir;
+  std::string prompt;
+  int64_t max_tokens = 200;
+  int64_t context = 0;
+  uint64_t seed = 0;
+  SamplingOptions sampling;
+};
+
+void run_sample(const SampleArgs& a) {
+  const ModelConfig cfg = read_hf_config(a.model_dir);
+  if (fs::is_regular_file(fs::path(a.model_dir) / kTrainerStateFile)) {
+    const TrainerState st = read_trainer_state(a.model_dir);
+    MOE_CHECK(st.tokenizer == ByteTokenizer::kKind, "{}: trained with tokenizer '{}'; `moe "
+              "sample` speaks only the byte tokenizer", a.model_dir, st.tokenizer);
+  }
+  MOE_CHECK(cfg.vocab_size >= ByteTokenizer::kVocab,
+            "{}: vocab_size {} is too small for the byte tokenizer ({} ids)", a.model_dir,
+            cfg.vocab_size, ByteTokenizer::kVocab);
+  DeepSeekModel model(cfg);
+  load_weights(a.model_dir, model.params());
+
+  const int64_t window =
+      a.context > 0 ? std::min(a.context, cfg.max_position_embeddings) : cfg.max_position_embeddings;
+  std::vector<int32_t> tokens = ByteTokenizer::encode(a.prompt);
+  // An empty prompt starts like a new document.
+  if (tokens.empty()) tokens.push_back(ByteTokenizer::kEndOfText);
+  fmt::print("{}", a.prompt);
+  std::fflush(stdout);
+
+  Rng rng(a.seed);
+  for (int64_t n = 0; n < a.max_tokens; ++n) {
+    const int64_t len = std::min<int64_t>(static_cast<int64_t>(tokens.size()), window);
+    Tensor input = Tensor::empty({len}, DType::I32, MemCategory::Activations);
+    std::copy(tokens.end() - len, tokens.end(), input.i32());
+    const Tensor logits = model.logits(input, {1, len});
+    const float* last = logits.f32() + (len - 1) * cfg.vocab_size;
+    const int32_t next = sample_token(last, ByteTokenizer::kVocab, a.sampling, rng);
+    if (next == ByteTokenizer::kEndOfText) break;
+    tokens.push_back(next);
+    std::fputc(next, stdout);
+    std::fflush(stdout);
+  }
+  fmt::print("\n");
+}
+
+}  // namespace
+
+void add_sample_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("sample", "continue a prompt with a trained model (byte tokenizer)");
+  auto a = std::make_shared<SampleArgs>();
+  cmd->add_option("--model", a->model_dir, "model directory, e.g. runs/small/checkpoints/step_N")
+      ->required();
+  cmd->add_option("--prompt", a->prompt, "text to continue (empty: start a new document)");
+  cmd->add_option("--max-tokens", a->max_tokens, "most tokens to generate (stops early at "
+                  "end-of-text)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--temperature", a->sampling.temperature, "0 = greedy")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--top-k", a->sampling.top_k, "sample among the k likeliest tokens (0 = all)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--top-p", a->sampling.top_p, "nucleus sampling mass")
+      ->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  cmd->add_option("--seed", a->seed, "sampling seed")->capture_default_str();
+  cmd->add_option("--context", a->context, "tokens of context per step (0 = "
+                  "max_position_embeddings)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->callback([a] { run_sample(*a); });
+}
+
+}  // namespace moe::cli

@@ -1,0 +1,82 @@
+// `moe train`: pretrain a model from a TOML configuration (see configs/small.toml), any key
+// overridable as --section.key value.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <optional>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "train/checkpoint_state.h"
+#include "train/trainer.h"
+
+namespace moe::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TrainArgs {
+  std::string config_file;
+  std::string resume;  // "" with resume_given: the latest checkpoint of the out dir
+  bool resume_given = false;
+};
+
+// A checkpoint directory, or a run directory whose latest checkpoint is meant.
+fs::path resolve_checkpoint(const fs::path& path) {
+  if (fs::is_regular_file(path / kTrainerStateFile)) return path;
+  for (const fs::path& dir : {path / "checkpoints", path}) {
+    if (auto latest = latest_checkpoint(dir)) return *latest;
+  }
+  fail("--resume {}: neither a checkpoint (no {}) nor a run directory with checkpoints",
+       path.string(), kTrainerStateFile);
+}
+
+void run_train(const TrainArgs& a, const std::vector<std::string>& extras) {
+  const std::vector<ConfigOverride> overrides = parse_override_args(extras);
+  TrainRequest req;
+  if (a.resume_given && !a.resume.empty()) {
+    req.resume_from = resolve_checkpoint(a.resume);
+    // Without --config the run continues under the configuration it was saved with.
+    req.config = a.config_file.empty()
+                     ? parse_train_config(read_trainer_state(*req.resume_from).config_toml,
+                                          (*req.resume_from / kTrainerStateFile).string(), overrides)
+                     : load_train_config(a.config_file, overrides);
+  } else {
+    MOE_CHECK(!a.config_file.empty(), "--config is required (or --resume PATH to continue a run "
+              "under its saved configuration)");
+    req.config = load_train_config(a.config_file, overrides);
+    if (a.resume_given) {
+      const fs::path ckpts = fs::path(req.config.run.out_dir) / "checkpoints";
+      const auto latest = latest_checkpoint(ckpts);
+      MOE_CHECK(latest.has_value(), "--resume: {} holds no checkpoint to resume from",
+                ckpts.string());
+      req.resume_from = *latest;
+    }
+  }
+  train(req);
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "train", "pretrain a model from a TOML config; override any key with --section.key value");
+  auto args = std::make_shared<TrainArgs>();
+  cmd->add_option("--config", args->config_file, "TOML training configuration (e.g. configs/small.toml)");
+  cmd->add_option("--resume", args->resume,
+                  "continue a run: a checkpoint directory, a run directory, or nothing for the "
+                  "latest checkpoint in run.out_dir")
+      ->expected(0, 1);
+  cmd->allow_extras();
+  cmd->footer(
+      "Config overrides: --section.key value (or --section.key=value), e.g. --optimizer.lr 3e-4 "
+      "--schedule.steps 200 --model.num_hidden_layers 4. Sections: model, data, optimizer, "
+      "schedule, checkpoint, logging, run.");
+  cmd->callback([args, cmd] {
+    args->resume_given = cmd->count("--resume") > 0;
+    run_train(*args, cmd->remaining());
+  });
+}
+
+}  // namespace moe::cli

@@ -1,0 +1,60 @@
+#pragma once
+// Training checkpoints: <out>/checkpoints/step_<N>/ holding
+//   config.json + model.safetensors  the model in the Hugging Face layout (router biases too),
+//                                    loadable directly by `moe sample` and `moe logits`
+//   optimizer.safetensors            AdamW moments keyed exp_avg.<param> / exp_avg_sq.<param>,
+//                                    in parameter order, the step count in the metadata
+//   trainer.json                     step, data position, RNG state, tokenizer, resolved config
+// The directory is assembled under a hidden temporary name and renamed into place only when
+// complete, so a killed write never damages (or masquerades as) a loadable checkpoint.
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "data/sampler.h"
+#include "model/config.h"
+#include "model/param.h"
+#include "train/adamw.h"
+
+namespace moe {
+
+inline constexpr const char* kTrainerStateFile = "trainer.json";
+inline constexpr const char* kOptimizerStateFile = "optimizer.safetensors";
+
+struct TrainerState {
+  int64_t step = 0;  // optimizer steps taken (skipped non-finite steps included)
+  int64_t tokens_seen = 0;
+  int64_t nonfinite_streak = 0;
+  DataPosition data;
+  uint64_t data_seed = 0;
+  uint64_t shuffle_rng_state = 0;  // generator state of data.epoch's permutation
+  uint64_t data_fingerprint = 0;
+  std::string tokenizer = "byte";
+  std::string config_toml;  // the resolved configuration of the run
+};
+
+// Test seam: called after each file of a checkpoint is written (before the rename), so a test
+// can kill the writer mid-checkpoint.
+using CheckpointFileHook = std::function<void(const std::string& file)>;
+
+// Writes checkpoint `state.step` into `checkpoints_dir` and keeps only the newest `keep_last`.
+// Returns the checkpoint's directory.
+std::filesystem::path save_checkpoint(const std::filesystem::path& checkpoints_dir,
+                                      const ModelConfig& model_config, const ParamList& params,
+                                      const AdamW& optimizer, const TrainerState& state,
+                                      int64_t keep_last, const CheckpointFileHook& hook = {});
+
+// Complete checkpoints (step_<N> with a trainer.json), oldest first.
+std::vector<std::pair<int64_t, std::filesystem::path>> list_checkpoints(
+    const std::filesystem::path& checkpoints_dir);
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& checkpoints_dir);
+
+TrainerState read_trainer_state(const std::filesystem::path& checkpoint_dir);
+// Moments and step count; checks every name and shape against the optimizer's params.
+void load_optimizer_state(const std::filesystem::path& checkpoint_dir, AdamW& optimizer);
+
+}  // namespace moe

@@ -1,0 +1,62 @@
+#include "train/evaluation.h"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "model/model.h"
+
+namespace moe {
+
+double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch, int64_t max_batches) {
+  double sum = 0;
+  int64_t tokens = 0;
+  int64_t batches = 0;
+  for (int64_t i = 0; i < data.size() && (max_batches == 0 || batches < max_batches); i += batch) {
+    std::vector<int64_t> idx;
+    for (int64_t j = i; j < std::min(data.size(), i + batch); ++j) idx.push_back(j);
+    const Batch b = make_batch(data, idx);
+    const LossResult r = model.forward(b.tokens, b.targets, b.shape, Pass::Eval);
+    sum += r.ce * static_cast<double>(r.tokens);
+    tokens += r.tokens;
+    ++batches;
+  }
+  // An Eval forward must keep nothing; a leak here would grow with every validation.
+  MOE_CHECK(!model.has_saved(), "internal: a validation forward left saved state behind");
+  return tokens > 0 ? sum / static_cast<double>(tokens) : std::numeric_limits<double>::quiet_NaN();
+}
+
+nlohmann::json memory_json() {
+  const MemSnapshot s = MemoryTracker::instance().snapshot();
+  nlohmann::json current = nlohmann::json::object(), peak = nlohmann::json::object();
+  for (int c = 0; c < static_cast<int>(MemCategory::Count); ++c) {
+    const char* name = mem_category_name(static_cast<MemCategory>(c));
+    current[name] = s.current[static_cast<size_t>(c)];
+    peak[name] = s.peak[static_cast<size_t>(c)];
+  }
+  return {{"current", current}, {"peak", peak}};
+}
+
+nlohmann::json expert_load_json(const DeepSeekModel& model) {
+  std::vector<int64_t> layer_ids;
+  const ModelConfig& c = model.config();
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    if (c.is_moe_layer(l)) layer_ids.push_back(l);
+  const auto layers = model.moe_layers();
+  nlohmann::json out = nlohmann::json::array();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::vector<int64_t>& counts = layers[i]->expert_counts();
+    int64_t max = 0, sum = 0;
+    for (int64_t n : counts) max = std::max(max, n), sum += n;
+    const double mean =
+        counts.empty() ? 0.0 : static_cast<double>(sum) / static_cast<double>(counts.size());
+    out.push_back({{"layer", i < layer_ids.size() ? layer_ids[i] : static_cast<int64_t>(i)},
+                   {"max", max},
+                   {"mean", mean}});
+  }
+  return out;
+}
+
+}  // namespace moe

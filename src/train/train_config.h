@@ -1,0 +1,88 @@
+#pragma once
+// `moe train` configuration: a TOML file with sections [model] [data] [optimizer] [schedule]
+// [checkpoint] [logging] [run], each key overridable on the command line as --section.key value.
+// Unknown keys and ill-typed or out-of-range values are errors naming the key.
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/config.h"
+
+namespace moe {
+
+struct TrainConfig {
+  struct Model {
+    // A preset name, a config.json or a model directory (its config only; weights start fresh).
+    std::string preset = "small";
+    // Any Hugging Face config.json field, applied on top of the preset (e.g. num_hidden_layers).
+    nlohmann::json overrides = nlohmann::json::object();
+  } model;
+  struct Data {
+    std::vector<std::string> path = {"data/kjv.txt"};  // files or directories, relative to cwd
+    std::string format = "auto";                       // auto | text | jsonl
+    std::string jsonl_field = "text";
+    std::string tokenizer = "byte";
+    int64_t seq_len = 256;
+    int64_t batch_size = 8;     // sequences per micro-batch
+    double val_fraction = 0.01; // tail of the token stream held out for validation
+    int64_t val_batches = 0;    // batches per validation (0: the whole split)
+    bool shuffle = true;
+  } data;
+  struct Optimizer {
+    double lr = 1e-3;  // peak, reached after warmup
+    double beta1 = 0.9;
+    double beta2 = 0.95;
+    double eps = 1e-8;
+    double weight_decay = 0.1;
+    double grad_clip = 1.0;     // global L2 norm; 0 disables clipping
+    int64_t grad_accum = 1;     // micro-batches per optimizer step
+    double z_loss = 0.0;        // coefficient of mean(logsumexp^2)
+    double bias_update_rate = 1e-3;   // aux-loss-free router balancing; 0 disables it
+    int64_t max_nonfinite_steps = 5;  // consecutive skipped NaN/Inf steps before the run stops
+  } optimizer;
+  struct Schedule {
+    int64_t steps = 1000;       // optimizer steps
+    int64_t warmup_steps = 100; // linear from lr/warmup_steps up to lr
+    std::string decay = "cosine";  // cosine | constant
+    double min_lr = 1e-4;       // end of the cosine
+  } schedule;
+  struct Checkpoint {
+    int64_t every = 0;      // steps between checkpoints (0: only at the end)
+    int64_t keep_last = 2;  // older step_N directories are removed
+  } checkpoint;
+  struct Logging {
+    int64_t log_every = 10;      // plain log lines (when not on a terminal)
+    int64_t val_every = 0;       // steps between validations (0: only at the end)
+    std::string progress = "auto";  // auto (a live line on a terminal) | bar | lines | none
+  } logging;
+  struct Run {
+    int64_t seed = 1234;
+    int64_t threads = 0;  // 0: the global --threads (default all cores)
+    std::string out_dir = "runs/train";
+  } run;
+};
+
+struct ConfigOverride {
+  std::string key;  // "section.key"
+  std::string value;
+};
+
+// Parses --section.key value and --section.key=value pairs; anything else is an error.
+std::vector<ConfigOverride> parse_override_args(const std::vector<std::string>& args);
+
+// Defaults, then the TOML text, then the overrides. `source` names the text in errors.
+TrainConfig parse_train_config(const std::string& toml_text, const std::string& source,
+                               const std::vector<ConfigOverride>& overrides = {});
+TrainConfig load_train_config(const std::filesystem::path& file,
+                              const std::vector<ConfigOverride>& overrides = {});
+// Every key with its resolved value; parse_train_config of it gives back the same config.
+std::string train_config_to_toml(const TrainConfig& cfg);
+
+// The preset with the [model] overrides applied, the vocabulary set to `vocab_size` and the
+// special token ids to `end_of_text`. Errors name the [model] key.
+ModelConfig resolve_train_model(const TrainConfig& cfg, int64_t vocab_size, int64_t end_of_text);
+
+}  // namespace moe

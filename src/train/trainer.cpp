@@ -1,0 +1,399 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "core/parallel.h"
+#include "data/corpus.h"
+#include "data/sampler.h"
+#include "data/tokenizer.h"
+#include "io/atomic_file.h"
+#include "io/checkpoint.h"
+#include "io/hf_config.h"
+#include "model/model.h"
+#include "train/adamw.h"
+#include "train/evaluation.h"
+#include "train/lr_schedule.h"
+#include "train/metrics_log.h"
+#include "train/progress.h"
+
+namespace moe {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string describe_loss(double loss) {
+  return std::isfinite(loss) ? fmt::format("{:.4f}, perplexity {:.2f}", loss, std::exp(loss))
+                             : std::string("n/a");
+}
+
+Corpus load_configured_corpus(const TrainConfig& cfg) {
+  for (const std::string& p : cfg.data.path)
+    MOE_CHECK(fs::exists(p), "data.path: {}: no such file or directory", p);
+  CorpusOptions co;
+  co.paths = cfg.data.path;
+  co.documents.format = parse_data_format(cfg.data.format, "data.format");
+  co.documents.jsonl_field = cfg.data.jsonl_field;
+  co.val_fraction = cfg.data.val_fraction;
+  co.seq_len = cfg.data.seq_len;
+  return load_corpus(co);
+}
+
+AdamWConfig adamw_config(const TrainConfig::Optimizer& o) {
+  AdamWConfig c;
+  c.lr = o.lr;
+  c.beta1 = o.beta1;
+  c.beta2 = o.beta2;
+  c.eps = o.eps;
+  c.weight_decay = o.weight_decay;
+  return c;
+}
+
+// A resumed run must build exactly the model it saved; shapes alone would not catch e.g. a
+// changed rope_theta or routing method.
+void check_same_model(const fs::path& dir, const ModelConfig& configured) {
+  json saved = model_config_to_json(read_hf_config(dir));
+  json want = model_config_to_json(configured);
+  saved.erase("torch_dtype");
+  want.erase("torch_dtype");
+  for (const auto& [key, value] : want.items())
+    MOE_CHECK(saved.contains(key) && saved[key] == value,
+              "{}: the checkpoint's model has {} = {}, the configuration asks for {}; resume with "
+              "the run's own configuration", dir.string(), key,
+              saved.contains(key) ? saved[key].dump() : "nothing", value.dump());
+}
+
+// Initial weights and gradient buffers; returns the params AdamW updates.
+ParamList prepare_for_training(DeepSeekModel& model, uint64_t seed) {
+  model.init_weights(seed);
+  model.allocate_grads();
+  return model.trainable_params();
+}
+
+// What one optimizer step measured.
+struct StepOutcome {
+  double loss = 0, z_loss = 0, aux_loss = 0, grad_norm = 0, lr = 0, seconds = 0;
+  bool finite = true;
+  json expert_load;
+};
+
+class TrainingRun {
+ public:
+  explicit TrainingRun(const TrainRequest& req)
+      : req_(req),
+        cfg_(req.config),
+        out_dir_(cfg_.run.out_dir),
+        ckpt_dir_(out_dir_ / "checkpoints"),
+        progress_(cfg_.logging.progress, cfg_.logging.log_every),
+        corpus_(load_configured_corpus(cfg_)),
+        mc_(resolve_train_model(cfg_, padded_vocab_size(ByteTokenizer::kVocab),
+                                ByteTokenizer::kEndOfText)),
+        model_(mc_),
+        trainable_(prepare_for_training(model_, static_cast<uint64_t>(cfg_.run.seed))),
+        opt_(trainable_, adamw_config(cfg_.optimizer)),
+        sampler_(corpus_.train, static_cast<uint64_t>(cfg_.run.seed), cfg_.data.shuffle),
+        schedule_{cfg_.optimizer.lr, cfg_.schedule.min_lr, cfg_.schedule.warmup_steps,
+                  cfg_.schedule.steps, cfg_.schedule.decay == "cosine"},
+        step_tokens_(cfg_.data.batch_size * cfg_.data.seq_len * cfg_.optimizer.grad_accum) {
+    st_.data_seed = static_cast<uint64_t>(cfg_.run.seed);
+    st_.data_fingerprint = corpus_.fingerprint;
+    st_.tokenizer = ByteTokenizer::kKind;
+    st_.config_toml = train_config_to_toml(cfg_);
+    result_.unigram_entropy = corpus_.train_unigram_entropy;
+    result_.final_val_loss = kNaN;
+  }
+
+  TrainResult run() {
+    const auto start = Clock::now();
+    describe_setup();
+    if (req_.resume_from) restore(*req_.resume_from);
+    fs::create_directories(out_dir_);
+    // For reference next to the metrics: the configuration this process actually runs.
+    write_file_atomic(out_dir_ / "config.toml", st_.config_toml);
+    MetricsLog metrics(out_dir_ / "metrics.jsonl", st_.step, req_.resume_from.has_value());
+    result_.first_step = st_.step;
+    MemoryTracker::instance().reset_peaks();
+
+    bool checkpoint_due = false;
+    while (st_.step < cfg_.schedule.steps) {
+      const StepOutcome s = step();
+      const bool last = st_.step == cfg_.schedule.steps;
+      json record = step_record(s);
+      if (corpus_.val.size() > 0 && (last || due(cfg_.logging.val_every))) {
+        validate();
+        record["val_loss"] = result_.final_val_loss;
+        record["val_ppl"] = std::exp(result_.final_val_loss);
+      }
+      record["memory"] = memory_json();
+      metrics.write(record);
+      show_progress(s);
+      checkpoint_due |= last || due(cfg_.checkpoint.every);
+      // Only a state right after a good update is saved: a non-finite step may stem from
+      // corrupted weights, and the last good checkpoint must survive the streak.
+      if (checkpoint_due && st_.nonfinite_streak > 0) {
+        progress_.warning(fmt::format("step {}: checkpoint postponed until a step succeeds", st_.step));
+      } else if (checkpoint_due) {
+        checkpoint_due = false;
+        checkpoint();
+      }
+      if (req_.hooks.stop_after && req_.hooks.stop_after(st_.step)) {
+        result_.stopped_early = true;
+        break;
+      }
+    }
+    progress_.finish();
+    if (checkpoint_due)
+      progress_.warning(fmt::format("the last step was non-finite, so no checkpoint was written "
+                                    "for it; the last good one is {}", last_checkpoint_name()));
+    // A resume of a finished run still reports where it stands.
+    if (!result_.stopped_early && steps_this_run_ == 0 && corpus_.val.size() > 0) validate();
+    finish_result(start);
+    print_summary(metrics.path());
+    return result_;
+  }
+
+ private:
+  bool due(int64_t every) const { return every > 0 && st_.step % every == 0; }
+
+  std::string last_checkpoint_name() const {
+    const auto last = latest_checkpoint(ckpt_dir_);
+    return last ? last->string() : std::string("(none written yet)");
+  }
+
+  void describe_setup() {
+    const ParamCounts pc = count_params(mc_);
+    progress_.message(fmt::format(
+        "model: {} parameters ({} active per token), {} layers, {} routed experts, vocab {}",
+        format_count(static_cast<double>(pc.total)),
+        format_count(static_cast<double>(pc.active_per_token)), mc_.num_hidden_layers,
+        mc_.n_routed_experts, mc_.vocab_size));
+    progress_.message(fmt::format(
+        "data: {} document{}, {} tokens: {} training sequences of {} tokens, {} validation "
+        "tokens; unigram entropy {:.4f} nats",
+        corpus_.documents, corpus_.documents == 1 ? "" : "s",
+        format_count(static_cast<double>(corpus_.total_tokens)), corpus_.train.size(),
+        cfg_.data.seq_len, format_count(static_cast<double>(corpus_.val.tokens().size())),
+        corpus_.train_unigram_entropy));
+  }
+
+  void restore(const fs::path& dir) {
+    const TrainerState saved = read_trainer_state(dir);
+    MOE_CHECK(saved.tokenizer == ByteTokenizer::kKind,
+              "{}: trained with tokenizer '{}', this run uses '{}'", dir.string(), saved.tokenizer,
+              ByteTokenizer::kKind);
+    check_same_model(dir, mc_);
+    load_weights(dir, model_.params());
+    load_optimizer_state(dir, opt_);
+    if (saved.data_fingerprint != corpus_.fingerprint)
+      progress_.warning(fmt::format("{}: the data differs from the data this run was trained on; "
+                                    "training continues on the new data", dir.string()));
+    if (saved.data_seed != st_.data_seed)
+      progress_.warning(fmt::format("{}: saved with run.seed {}, resuming with {}: the remaining "
+                                    "batches come in a different order", dir.string(),
+                                    saved.data_seed, st_.data_seed));
+    else if (cfg_.data.shuffle &&
+             saved.shuffle_rng_state != sampler_.epoch_rng_state(saved.data.epoch))
+      fail("{}: the saved shuffle generator state does not match run.seed {} (a checkpoint of "
+           "another version of moe?)", dir.string(), st_.data_seed);
+    MOE_CHECK(saved.data.index <= corpus_.train.size(),
+              "{}: data position {} is beyond the {} training sequences (the data changed)",
+              dir.string(), saved.data.index, corpus_.train.size());
+    sampler_.set_position(saved.data);
+    st_.step = saved.step;
+    st_.tokens_seen = saved.tokens_seen;
+    st_.nonfinite_streak = saved.nonfinite_streak;
+    result_.last_checkpoint = dir;
+    progress_.message(fmt::format("resumed from {} at step {}", dir.string(), st_.step));
+  }
+
+  // Micro-batches -> clip -> router-bias update -> AdamW, or a skipped step when anything is
+  // non-finite.
+  StepOutcome step() {
+    if (req_.hooks.before_step) req_.hooks.before_step(st_.step, model_);
+    const auto t0 = Clock::now();
+    const int64_t accum = cfg_.optimizer.grad_accum;
+    LossOptions options;
+    options.z_loss = cfg_.optimizer.z_loss;
+    options.grad_scale = static_cast<float>(1.0 / static_cast<double>(accum));
+    StepOutcome s;
+    s.lr = schedule_.at(st_.step);
+    model_.zero_grads();
+    for (int64_t m = 0; m < accum; ++m) {
+      const Batch b = sampler_.next(cfg_.data.batch_size);
+      const LossResult r = model_.forward(b.tokens, b.targets, b.shape, Pass::Train, options);
+      // Backward runs even for a non-finite loss: it is what releases the saved activations
+      // and dispatch handles of this forward.
+      model_.backward();
+      s.loss += r.ce / static_cast<double>(accum);
+      s.z_loss += r.z_loss / static_cast<double>(accum);
+      s.aux_loss += r.aux / static_cast<double>(accum);
+    }
+    s.expert_load = expert_load_json(model_);
+    s.grad_norm = cfg_.optimizer.grad_clip > 0 ? clip_grad_norm(trainable_, cfg_.optimizer.grad_clip)
+                                               : grad_norm(trainable_);
+    s.finite = std::isfinite(s.loss) && std::isfinite(s.grad_norm);
+    if (s.finite) {
+      st_.nonfinite_streak = 0;
+      model_.update_router_biases(cfg_.optimizer.bias_update_rate);
+      opt_.step(s.lr);
+    } else {
+      skip(s);
+    }
+    ++st_.step;
+    st_.tokens_seen += step_tokens_;
+    st_.data = sampler_.position();
+    st_.shuffle_rng_state = sampler_.epoch_rng_state(st_.data.epoch);
+    s.seconds = seconds_since(t0);
+    train_seconds_ += s.seconds;
+    ++steps_this_run_;
+    result_.losses.push_back(s.loss);
+    return s;
+  }
+
+  void skip(const StepOutcome& s) {
+    ++st_.nonfinite_streak;
+    ++result_.skipped;
+    model_.zero_grads();
+    model_.update_router_biases(0.0);  // drops this step's expert counts, moves no bias
+    const int64_t limit = cfg_.optimizer.max_nonfinite_steps;
+    if (st_.nonfinite_streak > limit) {
+      progress_.finish();
+      fail("step {}: {} consecutive steps with a non-finite loss or gradient (more than "
+           "optimizer.max_nonfinite_steps = {}); stopping. The last good checkpoint is {}",
+           st_.step + 1, st_.nonfinite_streak, limit, last_checkpoint_name());
+    }
+    progress_.warning(fmt::format("step {}: non-finite {} (loss {}, grad norm {}); step skipped "
+                                  "({} in a row, limit {})", st_.step + 1,
+                                  std::isfinite(s.loss) ? "gradient" : "loss", s.loss,
+                                  s.grad_norm, st_.nonfinite_streak, limit));
+  }
+
+  json step_record(const StepOutcome& s) const {
+    json r = {{"step", st_.step},
+              {"loss", s.loss},
+              {"lr", s.lr},
+              {"grad_norm", s.grad_norm},
+              {"tokens", st_.tokens_seen},
+              {"tokens_per_s", static_cast<double>(step_tokens_) / s.seconds},
+              {"step_s", s.seconds},
+              {"skipped", !s.finite},
+              {"expert_load", s.expert_load}};
+    if (cfg_.optimizer.z_loss > 0) r["z_loss"] = s.z_loss;
+    if (mc_.aux_loss_alpha > 0) r["aux_loss"] = s.aux_loss;
+    return r;
+  }
+
+  void validate() {
+    const auto t0 = Clock::now();
+    result_.final_val_loss = evaluate(model_, corpus_.val, cfg_.data.batch_size, cfg_.data.val_batches);
+    progress_.message(fmt::format("step {}: validation loss {} ({})", st_.step,
+                                  describe_loss(result_.final_val_loss),
+                                  format_duration(seconds_since(t0))));
+  }
+
+  void checkpoint() {
+    result_.last_checkpoint = save_checkpoint(ckpt_dir_, mc_, model_.params(), opt_, st_,
+                                              cfg_.checkpoint.keep_last, req_.hooks.checkpoint_file);
+    progress_.message(fmt::format("step {}: checkpoint {}", st_.step, result_.last_checkpoint.string()));
+  }
+
+  void show_progress(const StepOutcome& s) {
+    StepStatus status;
+    status.step = st_.step;
+    status.total = cfg_.schedule.steps;
+    status.loss = s.loss;
+    status.lr = s.lr;
+    status.grad_norm = s.grad_norm;
+    const double per_step = train_seconds_ / static_cast<double>(steps_this_run_);
+    status.tokens_per_s = static_cast<double>(step_tokens_) / per_step;
+    status.eta_s = static_cast<double>(cfg_.schedule.steps - st_.step) * per_step;
+    progress_.step(status);
+  }
+
+  void finish_result(Clock::time_point start) {
+    result_.steps_done = st_.step;
+    result_.tokens_seen = st_.tokens_seen;
+    result_.seconds = seconds_since(start);
+    double recent = 0;
+    n_recent_ = 0;
+    for (auto it = result_.losses.rbegin(); it != result_.losses.rend() && n_recent_ < 10; ++it)
+      if (std::isfinite(*it)) recent += *it, ++n_recent_;
+    result_.final_train_loss = n_recent_ ? recent / static_cast<double>(n_recent_) : kNaN;
+  }
+
+  void print_summary(const fs::path& metrics_path) {
+    const double tok_s = train_seconds_ > 0
+                             ? static_cast<double>(step_tokens_ * steps_this_run_) / train_seconds_
+                             : 0.0;
+    auto line = [&](const std::string& s) { progress_.message("  " + s); };
+    progress_.message("summary");
+    line(fmt::format("steps            {} of {} ({} this run, {} skipped)", st_.step,
+                     cfg_.schedule.steps, steps_this_run_, result_.skipped));
+    line(fmt::format("tokens seen      {} ({} per step)",
+                     format_count(static_cast<double>(st_.tokens_seen)), step_tokens_));
+    line(fmt::format("time             {} ({} tok/s while training)",
+                     format_duration(result_.seconds), format_count(tok_s)));
+    line(fmt::format("train loss       {} (mean of the last {} steps)",
+                     describe_loss(result_.final_train_loss), n_recent_));
+    line(fmt::format("validation loss  {}", describe_loss(result_.final_val_loss)));
+    line(fmt::format("unigram baseline {:.4f} nats (byte entropy of the training data)",
+                     result_.unigram_entropy));
+    if (!result_.last_checkpoint.empty())
+      line(fmt::format("checkpoint       {}", result_.last_checkpoint.string()));
+    line(fmt::format("metrics          {}", metrics_path.string()));
+    progress_.message("memory (current, peak since training started)");
+    std::string mem = MemoryTracker::instance().report();
+    for (size_t pos = 0; pos < mem.size();) {
+      const size_t nl = std::min(mem.find('\n', pos), mem.size());
+      line(mem.substr(pos, nl - pos));
+      pos = nl + 1;
+    }
+  }
+
+  const TrainRequest& req_;
+  const TrainConfig& cfg_;
+  const fs::path out_dir_, ckpt_dir_;
+  Progress progress_;
+  const Corpus corpus_;
+  const ModelConfig mc_;
+  DeepSeekModel model_;
+  const ParamList trainable_;
+  AdamW opt_;
+  TrainSampler sampler_;
+  const LrSchedule schedule_;
+  const int64_t step_tokens_;
+  TrainerState st_;
+  TrainResult result_;
+  double train_seconds_ = 0;
+  int64_t steps_this_run_ = 0;
+  int64_t n_recent_ = 0;
+};
+
+}  // namespace
+
+TrainResult train(const TrainRequest& req) {
+  // Before the data is read: a fresh run must not mix its checkpoints with another run's.
+  if (!req.resume_from) {
+    const fs::path out_dir = req.config.run.out_dir;
+    const auto existing = latest_checkpoint(out_dir / "checkpoints");
+    MOE_CHECK(!existing, "{}: already holds checkpoints (latest {}); pass --resume to continue "
+              "that run, or choose another --run.out_dir", out_dir.string(),
+              existing ? existing->filename().string() : "");
+  }
+  if (req.config.run.threads > 0) set_num_threads(static_cast<int>(req.config.run.threads));
+  return TrainingRun(req).run();
+}
+
+}  // namespace moe
