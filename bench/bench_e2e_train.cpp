@@ -97,5 +97,6 @@ int main(int argc, char** argv) {
       "{:.4f}, \"blas\": \"{}\"}}\n",
       config, threads, batch, seq, count_params(cfg).total, tps, gflops, peak, gflops / peak,
       static_cast<int64_t>(ru.ru_maxrss) * 1024, mem.total_peak(), loss, blas_kernel_name());
+  fmt::print(stderr, "tracked memory by category (current / peak):\n{}", MemoryTracker::instance().report());
   return 0;
 }
