@@ -43,7 +43,7 @@ class Handle {
   Handle& operator=(const Handle&) = delete;
 
   bool live() const { return state_.defined(); }
-  void release() { state_.reset(), owner_ = nullptr; }
+  void release() { state_.reset(), extra_.reset(), owner_ = nullptr; }
 
   int64_t tokens() const { return tokens_; }
   int64_t top_k() const { return top_k_; }
@@ -58,13 +58,16 @@ class Handle {
   // row_of_slot()[s]; row r came from slot slot_of_row()[r].
   const int32_t* row_of_slot() const { return state_.i32() + (experts_.count + 1); }
   const int32_t* slot_of_row() const { return row_of_slot() + tokens_ * top_k_; }
-  int64_t state_bytes() const { return state_.nbytes(); }
+  int64_t state_bytes() const { return state_.nbytes() + extra_.nbytes(); }
 
  private:
+  friend class Dispatcher;
   friend class LocalDispatcher;
-  // One I32 Routing tensor: offsets [count + 1] | row_of_slot [T·k] | slot_of_row [R]. An
-  // expert-parallel dispatcher appends its per-rank send/receive splits here.
+  // One I32 Routing tensor: offsets [count + 1] | row_of_slot [T·k] | slot_of_row [R].
   Tensor state_;
+  // Dispatcher-specific state that lives and dies with the handle (the expert-parallel
+  // dispatcher keeps its per-rank splits and send positions here), also charged to Routing.
+  Tensor extra_;
   const Dispatcher* owner_ = nullptr;
   int64_t tokens_ = 0, top_k_ = 0, rows_ = 0;
   ExpertRange experts_;
@@ -94,6 +97,16 @@ class Dispatcher {
   virtual Tensor row_weights_backward(const Tensor& d_row_weights, const Handle& handle) = 0;
   // d rows [R, dim] -> dx [T, dim] (a combine). The last use of the handle: releases it.
   virtual Tensor dispatch_backward(const Tensor& d_rows, Handle& handle) = 0;
+
+ protected:
+  // For a dispatcher that builds on LocalDispatcher's handle layout (expert parallelism):
+  // attach its own state to the handle, so both are released together, and own the handle.
+  static void adopt(Handle& handle, Tensor extra, const Dispatcher* owner) {
+    handle.extra_ = std::move(extra);
+    handle.owner_ = owner;
+  }
+  static const Tensor& extra_state(const Handle& handle) { return handle.extra_; }
+  static const Dispatcher* owner_of(const Handle& handle) { return handle.owner_; }
 };
 
 // Single process: every expert is local, R = T·k.

@@ -1,0 +1,293 @@
+#include "dist/all_to_all_dispatcher.h"
+
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "core/parallel.h"
+
+namespace moe {
+
+namespace detail {
+
+// One I32 Routing tensor: [T, k, send_rows[e], recv_rows[e], send_pos[T·k]]. send_pos[s] is
+// the send-buffer row of slot s = t·k + j.
+struct EpSendSide {
+  const int32_t* state = nullptr;
+  int e = 1;
+  int64_t tokens() const { return state[0]; }
+  int64_t top_k() const { return state[1]; }
+  const int32_t* send_rows() const { return state + 2; }
+  const int32_t* recv_rows() const { return state + 2 + e; }
+  const int32_t* send_pos() const { return state + 2 + 2 * e; }
+};
+
+}  // namespace detail
+
+namespace {
+
+Tensor activation(const Shape& shape) {
+  return Tensor::empty(shape, DType::F32, MemCategory::Activations);
+}
+
+std::vector<int64_t> widen(const int32_t* p, int n) { return std::vector<int64_t>(p, p + n); }
+
+}  // namespace
+
+// The Handle builder: a LocalDispatcher whose "all experts" are this rank's experts.
+class AllToAllDispatcher::HandleFactory final : public LocalDispatcher {
+ public:
+  ExpertRange range;
+  ExpertRange local_experts(int64_t) const override { return range; }
+};
+
+AllToAllDispatcher::AllToAllDispatcher(std::shared_ptr<Communicator> ep_group)
+    : comm_(std::move(ep_group)), factory_(std::make_unique<HandleFactory>()) {
+  MOE_CHECK(comm_ != nullptr, "AllToAllDispatcher: no communicator");
+}
+
+AllToAllDispatcher::~AllToAllDispatcher() = default;
+
+ExpertRange AllToAllDispatcher::local_experts(int64_t num_experts) const {
+  const int64_t e = comm_->size(), r = comm_->rank();
+  MOE_CHECK(num_experts >= e && num_experts % e == 0,
+            "expert parallelism: {} routed experts cannot be split evenly over {} ranks",
+            num_experts, e);
+  const int64_t per = num_experts / e;
+  return {r * per, per};
+}
+
+detail::EpSendSide AllToAllDispatcher::send_side(const Handle& handle, const char* op) const {
+  MOE_CHECK(handle.live(),
+            "{}: the dispatch handle was already released (backward after an evaluation "
+            "forward, or a second backward)",
+            op);
+  MOE_CHECK(owner_of(handle) == this, "{}: the dispatch handle belongs to another dispatcher", op);
+  return {extra_state(handle).i32(), comm_->size()};
+}
+
+Dispatched AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& ids, const Tensor& weights,
+                                        int64_t num_experts) {
+  MOE_CHECK(
+      x.ndim() == 2 && ids.ndim() == 2 && ids.dim(0) == x.dim(0) && weights.shape() == ids.shape(),
+      "dispatch: expected x [T, dim], ids and weights [T, k], got {}, {}, {}", shape_str(x.shape()),
+      shape_str(ids.shape()), shape_str(weights.shape()));
+  const int64_t T = x.dim(0), dim = x.dim(1), k = ids.dim(1), slots = T * k;
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  MOE_CHECK(slots < kMax && T < kMax && k < kMax,
+            "dispatch: {} slots exceed the 32-bit row index", slots);
+  const int e = comm_->size();
+  const ExpertRange local = local_experts(num_experts);
+  const int64_t per = local.count, E = num_experts;
+  const int32_t* id = ids.i32();
+  for (int64_t s = 0; s < slots; ++s)
+    MOE_CHECK(id[s] >= 0 && id[s] < E, "dispatch: expert id {} at slot {} is outside [0, {})",
+              id[s], s, E);
+
+  // 1. Send order: stable counting sort by global expert (= destination rank, then expert).
+  Tensor side = Tensor::empty({2 + 2 * static_cast<int64_t>(e) + slots}, DType::I32,
+                              MemCategory::Routing);
+  int32_t* st = side.i32();
+  st[0] = static_cast<int32_t>(T);
+  st[1] = static_cast<int32_t>(k);
+  int32_t* send_rows = st + 2;
+  int32_t* recv_rows = send_rows + e;
+  int32_t* send_pos = recv_rows + e;
+  std::vector<int64_t> per_expert(static_cast<size_t>(E), 0);
+  for (int64_t s = 0; s < slots; ++s) ++per_expert[static_cast<size_t>(id[s])];
+  {
+    std::vector<int64_t> next(static_cast<size_t>(E), 0);
+    int64_t acc = 0;
+    for (int64_t g = 0; g < E; ++g) next[static_cast<size_t>(g)] = acc, acc += per_expert[g];
+    for (int64_t s = 0; s < slots; ++s)
+      send_pos[s] = static_cast<int32_t>(next[static_cast<size_t>(id[s])]++);
+  }
+  for (int d = 0; d < e; ++d) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < per; ++j) n += per_expert[static_cast<size_t>(d * per + j)];
+    send_rows[d] = static_cast<int32_t>(n);
+  }
+
+  // 2. Counts: block d of per_expert (experts of rank d) goes to rank d.
+  std::vector<int64_t> from(static_cast<size_t>(e * per));
+  comm_->all_to_all(per_expert.data(), from.data(), per);
+  int64_t R = 0;
+  for (int src = 0; src < e; ++src) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < per; ++j) n += from[static_cast<size_t>(src * per + j)];
+    MOE_CHECK(n < kMax, "dispatch: {} rows from rank {} exceed the 32-bit row index", n, src);
+    recv_rows[src] = static_cast<int32_t>(n);
+    R += n;
+  }
+  MOE_CHECK(R < kMax, "dispatch: {} received rows exceed the 32-bit row index", R);
+
+  // 3. Rows with their weight as column `dim`, one exchange.
+  const int64_t W = dim + 1;
+  Tensor recv = activation({R, W});
+  {
+    Tensor send = activation({slots, W});
+    const float* xp = x.f32();
+    const float* wp = weights.f32();
+    float* sp = send.f32();
+    parallel_for(0, slots, [&](int64_t s) {
+      float* row = sp + static_cast<int64_t>(send_pos[s]) * W;
+      std::memcpy(row, xp + (s / k) * dim, sizeof(float) * dim);
+      row[dim] = wp[s];
+    });
+    comm_->all_to_all_v(sp, widen(send_rows, e).data(), recv.f32(), widen(recv_rows, e).data(), W);
+  }
+
+  // 4. Rank-major -> expert-major: the factory's stable sort of the arrival order by expert.
+  Tensor fake_ids = Tensor::empty({R, 1}, DType::I32, MemCategory::Scratch);
+  Tensor fake_w = Tensor::empty({R, 1}, DType::F32, MemCategory::Scratch);
+  {
+    int32_t* fi = fake_ids.i32();
+    float* fw = fake_w.f32();
+    const float* rp = recv.f32();
+    int64_t p = 0;
+    for (int src = 0; src < e; ++src)
+      for (int64_t j = 0; j < per; ++j)
+        for (int64_t c = 0; c < from[static_cast<size_t>(src * per + j)]; ++c, ++p)
+          fi[p] = static_cast<int32_t>(local.first + j);
+    for (int64_t q = 0; q < R; ++q) fw[q] = rp[q * W + dim];
+  }
+  factory_->range = local;
+  Dispatched out = factory_->dispatch(fake_w, fake_ids, fake_w, E);
+  fake_ids.reset();
+  fake_w.reset();
+  out.rows = activation({R, dim});
+  {
+    const int32_t* arrival_of_row = out.handle.slot_of_row();
+    const float* rp = recv.f32();
+    float* rows = out.rows.f32();
+    parallel_for(0, R, [&](int64_t r) {
+      std::memcpy(rows + r * dim, rp + static_cast<int64_t>(arrival_of_row[r]) * W,
+                  sizeof(float) * dim);
+    });
+  }
+  adopt(out.handle, std::move(side), this);
+  return out;
+}
+
+Tensor AllToAllDispatcher::to_sources(const float* expert_major, int64_t width, const Handle& h,
+                                      const detail::EpSendSide& s) const {
+  const int e = s.e;
+  const int64_t R = h.rows(), slots = s.tokens() * s.top_k();
+  Tensor back = activation({slots, width});
+  {
+    // Arrival (rank-major) order: position p holds expert-major row row_of_slot[p].
+    Tensor arrival = activation({R, width});
+    const int32_t* row_of_arrival = h.row_of_slot();
+    float* ap = arrival.f32();
+    parallel_for(0, R, [&](int64_t p) {
+      std::memcpy(ap + p * width, expert_major + static_cast<int64_t>(row_of_arrival[p]) * width,
+                  sizeof(float) * width);
+    });
+    comm_->all_to_all_v(ap, widen(s.recv_rows(), e).data(), back.f32(),
+                        widen(s.send_rows(), e).data(), width);
+  }
+  return back;
+}
+
+Tensor AllToAllDispatcher::to_experts(const float* per_token, int64_t width, const Handle& h,
+                                      const detail::EpSendSide& s) const {
+  const int e = s.e;
+  const int64_t R = h.rows(), k = s.top_k(), slots = s.tokens() * k;
+  Tensor arrival = activation({R, width});
+  {
+    Tensor send = activation({slots, width});
+    const int32_t* send_pos = s.send_pos();
+    float* sp = send.f32();
+    parallel_for(0, slots, [&](int64_t q) {
+      std::memcpy(sp + static_cast<int64_t>(send_pos[q]) * width, per_token + (q / k) * width,
+                  sizeof(float) * width);
+    });
+    comm_->all_to_all_v(sp, widen(s.send_rows(), e).data(), arrival.f32(),
+                        widen(s.recv_rows(), e).data(), width);
+  }
+  Tensor out = activation({R, width});
+  const int32_t* arrival_of_row = h.slot_of_row();
+  const float* ap = arrival.f32();
+  float* op = out.f32();
+  parallel_for(0, R, [&](int64_t r) {
+    std::memcpy(op + r * width, ap + static_cast<int64_t>(arrival_of_row[r]) * width,
+                sizeof(float) * width);
+  });
+  return out;
+}
+
+namespace {
+
+// y[t] = Σ_j back[send_pos[t·k + j]], j ascending, fp32: LocalDispatcher's order exactly.
+void sum_slots(const float* back, const int32_t* send_pos, float* y, int64_t T, int64_t k,
+               int64_t dim) {
+  parallel_for(0, T, [&](int64_t t) {
+    float* yt = y + t * dim;
+    const int32_t* rows = send_pos + t * k;
+    std::memcpy(yt, back + static_cast<int64_t>(rows[0]) * dim, sizeof(float) * dim);
+    for (int64_t j = 1; j < k; ++j) {
+      const float* s = back + static_cast<int64_t>(rows[j]) * dim;
+      for (int64_t i = 0; i < dim; ++i) yt[i] += s[i];
+    }
+  });
+}
+
+}  // namespace
+
+Tensor AllToAllDispatcher::combine(const Tensor& expert_out, Handle& handle, Pass pass) {
+  const detail::EpSendSide s = send_side(handle, "combine");
+  MOE_CHECK(expert_out.ndim() == 2 && expert_out.dim(0) == handle.rows(),
+            "combine: expected expert outputs [{}, dim], got {}", handle.rows(),
+            shape_str(expert_out.shape()));
+  const int64_t dim = expert_out.dim(1), T = s.tokens(), k = s.top_k();
+  Tensor y = activation({T, dim});
+  {
+    Tensor back = to_sources(expert_out.f32(), dim, handle, s);
+    if (k > 0) sum_slots(back.f32(), s.send_pos(), y.f32(), T, k, dim);
+    else y.zero();
+  }
+  if (!needs_backward(pass)) handle.release();
+  return y;
+}
+
+Tensor AllToAllDispatcher::combine_backward(const Tensor& dy, const Handle& handle) {
+  const detail::EpSendSide s = send_side(handle, "combine backward");
+  MOE_CHECK(dy.ndim() == 2 && dy.dim(0) == s.tokens(),
+            "combine backward: expected dy [{}, dim], got {}", s.tokens(), shape_str(dy.shape()));
+  return to_experts(dy.f32(), dy.dim(1), handle, s);
+}
+
+Tensor AllToAllDispatcher::row_weights_backward(const Tensor& d_row_weights,
+                                                const Handle& handle) {
+  const detail::EpSendSide s = send_side(handle, "routing-weight backward");
+  MOE_CHECK(d_row_weights.numel() == handle.rows(),
+            "routing-weight backward: expected [{}] row gradients, got {}", handle.rows(),
+            shape_str(d_row_weights.shape()));
+  const int64_t T = s.tokens(), k = s.top_k();
+  Tensor back = to_sources(d_row_weights.f32(), 1, handle, s);
+  Tensor dw = activation({T, k});
+  const int32_t* send_pos = s.send_pos();
+  const float* b = back.f32();
+  float* d = dw.f32();
+  for (int64_t q = 0; q < T * k; ++q) d[q] = b[send_pos[q]];
+  return dw;
+}
+
+Tensor AllToAllDispatcher::dispatch_backward(const Tensor& d_rows, Handle& handle) {
+  const detail::EpSendSide s = send_side(handle, "dispatch backward");
+  MOE_CHECK(d_rows.ndim() == 2 && d_rows.dim(0) == handle.rows(),
+            "dispatch backward: expected row gradients [{}, dim], got {}", handle.rows(),
+            shape_str(d_rows.shape()));
+  const int64_t dim = d_rows.dim(1), T = s.tokens(), k = s.top_k();
+  Tensor dx = activation({T, dim});
+  {
+    Tensor back = to_sources(d_rows.f32(), dim, handle, s);
+    if (k > 0) sum_slots(back.f32(), s.send_pos(), dx.f32(), T, k, dim);
+    else dx.zero();
+  }
+  handle.release();
+  return dx;
+}
+
+}  // namespace moe
