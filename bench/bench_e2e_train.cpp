@@ -11,9 +11,9 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "io/model_spec.h"
-#include "kernels/gemm.h"
 #include "model/model.h"
 #include "train/adamw.h"
+#include "train/gemm_peak.h"
 
 using namespace moe;
 
@@ -21,22 +21,6 @@ namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// The machine's fp32 GEMM rate through the engine's own GEMM path (the MFU denominator).
-double measure_gemm_peak_gflops() {
-  const int64_t n = 1536;
-  Tensor a = Tensor::zeros({n, n}, DType::F32, MemCategory::Scratch);
-  Tensor b = a.clone(MemCategory::Scratch), c = a.clone(MemCategory::Scratch);
-  for (int64_t i = 0; i < n * n; ++i) a.f32()[i] = b.f32()[i] = 1e-3f * static_cast<float>(i % 17);
-  gemm_nt(n, n, n, a.f32(), n, b.f32(), n, c.f32(), n, false);
-  double best = 0;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    gemm_nt(n, n, n, a.f32(), n, b.f32(), n, c.f32(), n, false);
-    best = std::max(best, 2.0 * n * n * n / seconds_since(t0) / 1e9);
-  }
-  return best;
 }
 
 }  // namespace
@@ -58,7 +42,7 @@ int main(int argc, char** argv) {
 
   ModelConfig cfg = resolve_model_config(config);
   if (vocab > 0) cfg.vocab_size = vocab;
-  const double peak = measure_gemm_peak_gflops();
+  const double peak = gemm_peak_gflops(1536, 5);
   DeepSeekModel model(cfg);
   model.init_weights(1);
   model.allocate_grads();

@@ -452,6 +452,11 @@ TEST(TrainCli, TrainResumeAndSample) {
   ASSERT_EQ(c.status, 0) << c.output;
   EXPECT_NE(c.output.find("step 3/3"), std::string::npos) << c.output;
   EXPECT_NE(c.output.find("unigram baseline"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("GEMM peak: "), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("| MFU "), std::string::npos) << c.output;
+  for (const char* name : {"loss.svg", "expert_load.svg", "summary.md"})
+    EXPECT_TRUE(fs::exists(dir / "run" / "report" / name)) << name;
+  EXPECT_NE(read_file(dir / "run" / "metrics.jsonl").find("\"mfu\":"), std::string::npos);
   c = run_moe(cfg + " --resume");
   ASSERT_EQ(c.status, 0) << c.output;
   EXPECT_NE(c.output.find("resumed from"), std::string::npos) << c.output;
@@ -468,4 +473,34 @@ TEST(TrainCli, TrainResumeAndSample) {
   ASSERT_EQ(s1.status, 0) << s1.output;
   EXPECT_EQ(s1.output.rfind("the cat", 0), 0u) << s1.output;
   EXPECT_EQ(s1.output, s2.output);
+}
+
+TEST(TrainCli, BpeTokenizerTrainsAndTravelsWithTheCheckpoint) {
+  const fs::path dir = scratch_dir();
+  write_file(dir / "corpus.txt", tiny_corpus());
+  write_file(dir / "ok.toml", tiny_toml(dir, 3));
+  const fs::path tok = dir / "tokenizer.json";
+  Command c = run_moe("tokenizer train --data " + (dir / "corpus.txt").string() +
+                      " --vocab-size 300 --out " + tok.string());
+  ASSERT_EQ(c.status, 0) << c.output;
+  ASSERT_TRUE(fs::exists(tok));
+  c = run_moe("train --config " + (dir / "ok.toml").string() + " --data.tokenizer " + tok.string());
+  ASSERT_EQ(c.status, 0) << c.output;
+  EXPECT_NE(c.output.find("bpe tokenizer, 300 ids"), std::string::npos) << c.output;
+  const fs::path ckpt = dir / "run" / "checkpoints" / "step_3";
+  EXPECT_EQ(read_hf_config(ckpt).vocab_size, padded_vocab_size(300));
+  EXPECT_EQ(read_file(ckpt / kTokenizerFile), read_file(tok));
+  c = run_moe("sample --model " + ckpt.string() + " --prompt 'the cat' --max-tokens 5 --seed 1");
+  ASSERT_EQ(c.status, 0) << c.output;
+  EXPECT_EQ(c.output.rfind("the cat", 0), 0u) << c.output;
+
+  // Resuming under another tokenizer is refused, naming the key.
+  c = run_moe("train --config " + (dir / "ok.toml").string() + " --resume --schedule.steps 4");
+  EXPECT_NE(c.status, 0);
+  EXPECT_NE(c.output.find("data.tokenizer"), std::string::npos) << c.output;
+  c = run_moe("train --config " + (dir / "ok.toml").string() + " --data.tokenizer nosuch.json "
+              "--run.out_dir " + (dir / "run2").string());
+  EXPECT_NE(c.status, 0);
+  EXPECT_NE(c.output.find("data.tokenizer"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("nosuch.json"), std::string::npos) << c.output;
 }

@@ -1,4 +1,5 @@
-// `moe sample`: continue a prompt with a trained model (byte tokenizer). Without a KV cache
+// `moe sample`: continue a prompt with a trained model, in the tokenizer it was trained with
+// (a checkpoint's tokenizer.json, else bytes). Without a KV cache
 // each new token recomputes the forward over the context window, which is fine for the small
 // models this is meant for.
 #include <fmt/format.h>
@@ -30,24 +31,30 @@ struct SampleArgs {
   SamplingOptions sampling;
 };
 
+std::unique_ptr<Tokenizer> model_tokenizer(const fs::path& dir) {
+  if (fs::is_regular_file(dir / kTokenizerFile)) return load_tokenizer((dir / kTokenizerFile).string());
+  if (fs::is_regular_file(dir / kTrainerStateFile)) {
+    const TrainerState st = read_trainer_state(dir);
+    MOE_CHECK(st.tokenizer == ByteTokenizer::kKind, "{}: trained with tokenizer '{}' but holds no {}",
+              dir.string(), st.tokenizer, kTokenizerFile);
+  }
+  return make_byte_tokenizer();
+}
+
 void run_sample(const SampleArgs& a) {
   const ModelConfig cfg = read_hf_config(a.model_dir);
-  if (fs::is_regular_file(fs::path(a.model_dir) / kTrainerStateFile)) {
-    const TrainerState st = read_trainer_state(a.model_dir);
-    MOE_CHECK(st.tokenizer == ByteTokenizer::kKind, "{}: trained with tokenizer '{}'; `moe "
-              "sample` speaks only the byte tokenizer", a.model_dir, st.tokenizer);
-  }
-  MOE_CHECK(cfg.vocab_size >= ByteTokenizer::kVocab,
-            "{}: vocab_size {} is too small for the byte tokenizer ({} ids)", a.model_dir,
-            cfg.vocab_size, ByteTokenizer::kVocab);
+  const std::unique_ptr<Tokenizer> tok = model_tokenizer(a.model_dir);
+  MOE_CHECK(cfg.vocab_size >= tok->vocab_size(),
+            "{}: vocab_size {} is too small for its {} tokenizer ({} ids)", a.model_dir,
+            cfg.vocab_size, tok->kind(), tok->vocab_size());
   DeepSeekModel model(cfg);
   load_weights(a.model_dir, model.params());
 
   const int64_t window =
       a.context > 0 ? std::min(a.context, cfg.max_position_embeddings) : cfg.max_position_embeddings;
-  std::vector<int32_t> tokens = ByteTokenizer::encode(a.prompt);
+  std::vector<int32_t> tokens = tok->encode(a.prompt);
   // An empty prompt starts like a new document.
-  if (tokens.empty()) tokens.push_back(ByteTokenizer::kEndOfText);
+  if (tokens.empty()) tokens.push_back(tok->end_of_text());
   fmt::print("{}", a.prompt);
   std::fflush(stdout);
 
@@ -58,10 +65,12 @@ void run_sample(const SampleArgs& a) {
     std::copy(tokens.end() - len, tokens.end(), input.i32());
     const Tensor logits = model.logits(input, {1, len});
     const float* last = logits.f32() + (len - 1) * cfg.vocab_size;
-    const int32_t next = sample_token(last, ByteTokenizer::kVocab, a.sampling, rng);
-    if (next == ByteTokenizer::kEndOfText) break;
+    // Padding ids beyond the tokenizer's vocabulary are never sampled.
+    const int32_t next = sample_token(last, tok->vocab_size(), a.sampling, rng);
+    if (next == tok->end_of_text()) break;
     tokens.push_back(next);
-    std::fputc(next, stdout);
+    const std::string bytes = tok->token_bytes(next);
+    std::fwrite(bytes.data(), 1, bytes.size(), stdout);
     std::fflush(stdout);
   }
   fmt::print("\n");
@@ -70,7 +79,7 @@ void run_sample(const SampleArgs& a) {
 }  // namespace
 
 void add_sample_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("sample", "continue a prompt with a trained model (byte tokenizer)");
+  auto* cmd = app.add_subcommand("sample", "continue a prompt with a trained model");
   auto a = std::make_shared<SampleArgs>();
   cmd->add_option("--model", a->model_dir, "model directory, e.g. runs/small/checkpoints/step_N")
       ->required();

@@ -17,6 +17,8 @@ int main(int argc, char** argv) {
   moe::cli::add_logits_command(app);
   moe::cli::add_train_command(app);
   moe::cli::add_sample_command(app);
+  moe::cli::add_report_command(app);
+  moe::cli::add_tokenizer_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,6 +1,7 @@
 #include "data/corpus.h"
 
 #include "core/error.h"
+#include "data/tokenizer.h"
 
 namespace moe {
 
@@ -21,7 +22,7 @@ Corpus load_corpus(const CorpusOptions& o) {
     std::vector<std::string> more = read_documents(p, o.documents);
     for (std::string& d : more) docs.push_back(std::move(d));
   }
-  std::vector<int32_t> stream = pack_documents(docs);
+  std::vector<int32_t> stream = o.tokenizer ? pack_documents(docs, *o.tokenizer) : pack_documents(docs);
   Corpus c;
   c.documents = static_cast<int64_t>(docs.size());
   docs.clear();

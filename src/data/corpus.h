@@ -14,6 +14,7 @@ struct CorpusOptions {
   DocumentOptions documents;
   double val_fraction = 0.0;
   int64_t seq_len = 0;
+  const Tokenizer* tokenizer = nullptr;  // nullptr: the byte tokenizer
 };
 
 struct Corpus {

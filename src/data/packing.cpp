@@ -8,16 +8,18 @@
 
 namespace moe {
 
-std::vector<int32_t> pack_documents(const std::vector<std::string>& documents) {
-  size_t total = 0;
-  for (const std::string& d : documents) total += d.size() + 1;
+std::vector<int32_t> pack_documents(const std::vector<std::string>& documents,
+                                    const Tokenizer& tokenizer) {
   std::vector<int32_t> stream;
-  stream.reserve(total);
   for (const std::string& d : documents) {
-    ByteTokenizer::encode(d, stream);
-    stream.push_back(ByteTokenizer::kEndOfText);
+    tokenizer.encode(d, stream);
+    stream.push_back(tokenizer.end_of_text());
   }
   return stream;
+}
+
+std::vector<int32_t> pack_documents(const std::vector<std::string>& documents) {
+  return pack_documents(documents, *make_byte_tokenizer());
 }
 
 TokenSplit split_tokens(std::vector<int32_t> stream, double val_fraction, int64_t seq_len) {

@@ -12,8 +12,13 @@
 
 namespace moe {
 
+class Tokenizer;
+
 // Documents joined into one stream with the end-of-text token after each document, so the
 // model learns where texts end and never mistakes the next document for a continuation.
+std::vector<int32_t> pack_documents(const std::vector<std::string>& documents,
+                                    const Tokenizer& tokenizer);
+// With the byte tokenizer.
 std::vector<int32_t> pack_documents(const std::vector<std::string>& documents);
 
 struct TokenSplit {

@@ -1,6 +1,39 @@
 #include "data/tokenizer.h"
 
+#include "data/bpe.h"
+
 namespace moe {
+
+namespace {
+
+class ByteLevelIds final : public Tokenizer {
+ public:
+  using Tokenizer::encode;
+  void encode(std::string_view text, std::vector<int32_t>& out) const override {
+    ByteTokenizer::encode(text, out);
+  }
+  std::string token_bytes(int32_t id) const override {
+    return ByteTokenizer::is_byte(id) ? std::string(1, static_cast<char>(static_cast<unsigned char>(id)))
+                                      : std::string();
+  }
+  int64_t vocab_size() const override { return ByteTokenizer::kVocab; }
+  int32_t end_of_text() const override { return ByteTokenizer::kEndOfText; }
+  std::string kind() const override { return ByteTokenizer::kKind; }
+};
+
+}  // namespace
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+  std::vector<int32_t> out;
+  encode(text, out);
+  return out;
+}
+
+std::string Tokenizer::decode(const std::vector<int32_t>& ids) const {
+  std::string out;
+  for (int32_t id : ids) out += token_bytes(id);
+  return out;
+}
 
 void ByteTokenizer::encode(std::string_view text, std::vector<int32_t>& out) {
   out.reserve(out.size() + text.size());
@@ -19,6 +52,13 @@ std::string ByteTokenizer::decode(const std::vector<int32_t>& ids) {
   for (int32_t id : ids)
     if (is_byte(id)) out.push_back(static_cast<char>(static_cast<unsigned char>(id)));
   return out;
+}
+
+std::unique_ptr<Tokenizer> make_byte_tokenizer() { return std::make_unique<ByteLevelIds>(); }
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
+  if (spec == ByteTokenizer::kKind) return make_byte_tokenizer();
+  return std::make_unique<BpeTokenizer>(BpeTokenizer::load(spec));
 }
 
 int64_t padded_vocab_size(int64_t vocab) { return (vocab + 7) / 8 * 8; }

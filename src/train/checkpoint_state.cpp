@@ -93,7 +93,8 @@ json state_to_json(const TrainerState& s) {
 fs::path save_checkpoint(const fs::path& checkpoints_dir, const ModelConfig& model_config,
                          const ParamList& params, const AdamW& optimizer,
                          const TrainerState& state, int64_t keep_last,
-                         const CheckpointFileHook& hook) {
+                         const CheckpointFileHook& hook,
+                         const std::vector<std::pair<std::string, std::string>>& extra_files) {
   fs::create_directories(checkpoints_dir);
   remove_leftovers(checkpoints_dir);
   const std::string step_name = kStepPrefix + std::to_string(state.step);
@@ -105,6 +106,10 @@ fs::path save_checkpoint(const fs::path& checkpoints_dir, const ModelConfig& mod
   if (hook) hook("model.safetensors");
   write_optimizer(tmp / kOptimizerStateFile, optimizer);
   if (hook) hook(kOptimizerStateFile);
+  for (const auto& [name, contents] : extra_files) {
+    write_file_atomic(tmp / name, contents);
+    if (hook) hook(name);
+  }
   // Last: its presence is what marks a checkpoint complete.
   write_file_atomic(tmp / kTrainerStateFile, state_to_json(state).dump(2) + "\n");
   if (hook) hook(kTrainerStateFile);

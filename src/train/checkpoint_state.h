@@ -5,6 +5,7 @@
 //   optimizer.safetensors            AdamW moments keyed exp_avg.<param> / exp_avg_sq.<param>,
 //                                    in parameter order, the step count in the metadata
 //   trainer.json                     step, data position, RNG state, tokenizer, resolved config
+//   tokenizer.json                   a BPE run's tokenizer (Hugging Face layout)
 // The directory is assembled under a hidden temporary name and renamed into place only when
 // complete, so a killed write never damages (or masquerades as) a loadable checkpoint.
 #include <cstdint>
@@ -24,6 +25,9 @@ namespace moe {
 
 inline constexpr const char* kTrainerStateFile = "trainer.json";
 inline constexpr const char* kOptimizerStateFile = "optimizer.safetensors";
+// The BPE tokenizer the run trained with (absent for the byte tokenizer), so the checkpoint
+// alone is enough to sample from.
+inline constexpr const char* kTokenizerFile = "tokenizer.json";
 
 struct TrainerState {
   int64_t step = 0;  // optimizer steps taken (skipped non-finite steps included)
@@ -42,11 +46,14 @@ struct TrainerState {
 using CheckpointFileHook = std::function<void(const std::string& file)>;
 
 // Writes checkpoint `state.step` into `checkpoints_dir` and keeps only the newest `keep_last`.
+// `extra_files` (name, contents) are written into the checkpoint too, before trainer.json.
 // Returns the checkpoint's directory.
 std::filesystem::path save_checkpoint(const std::filesystem::path& checkpoints_dir,
                                       const ModelConfig& model_config, const ParamList& params,
                                       const AdamW& optimizer, const TrainerState& state,
-                                      int64_t keep_last, const CheckpointFileHook& hook = {});
+                                      int64_t keep_last, const CheckpointFileHook& hook = {},
+                                      const std::vector<std::pair<std::string, std::string>>&
+                                          extra_files = {});
 
 // Complete checkpoints (step_<N> with a trainer.json), oldest first.
 std::vector<std::pair<int64_t, std::filesystem::path>> list_checkpoints(

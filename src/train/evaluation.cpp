@@ -54,7 +54,8 @@ nlohmann::json expert_load_json(const DeepSeekModel& model) {
         counts.empty() ? 0.0 : static_cast<double>(sum) / static_cast<double>(counts.size());
     out.push_back({{"layer", i < layer_ids.size() ? layer_ids[i] : static_cast<int64_t>(i)},
                    {"max", max},
-                   {"mean", mean}});
+                   {"mean", mean},
+                   {"counts", counts}});
   }
   return out;
 }

@@ -16,8 +16,9 @@ double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch
 // Tracked memory by category: {"current": {...}, "peak": {...}} in bytes.
 nlohmann::json memory_json();
 
-// Per MoE layer: tokens routed to the busiest expert and the mean per expert, over the Train
-// forwards since the last bias update (so: read it before update_router_biases).
+// Per MoE layer: tokens routed to each expert (the report's heat map), to the busiest one and
+// the mean per expert, over the Train forwards since the last bias update (so: read it before
+// update_router_biases).
 nlohmann::json expert_load_json(const DeepSeekModel& model);
 
 }  // namespace moe

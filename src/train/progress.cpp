@@ -44,8 +44,9 @@ void Progress::clear_live() {
 
 void Progress::step(const StepStatus& s) {
   const std::string text =
-      fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | {} tok/s | ETA {}", s.step, s.total,
-                  s.loss, s.lr, format_count(s.tokens_per_s), format_duration(s.eta_s));
+      fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | {} tok/s | MFU {:.1f}% | ETA {}", s.step,
+                  s.total, s.loss, s.lr, format_count(s.tokens_per_s), 100.0 * s.mfu,
+                  format_duration(s.eta_s));
   switch (mode_) {
     case Mode::Live:
       fmt::print("\r\033[2K{}", text);

@@ -29,7 +29,7 @@ ConfigKeys bind(TrainConfig& c) {
   k.add_string_list("data.path", &c.data.path);
   k.add_string("data.format", &c.data.format, {"auto", "text", "jsonl"});
   k.add_string("data.jsonl_field", &c.data.jsonl_field);
-  k.add_string("data.tokenizer", &c.data.tokenizer, {"byte"});
+  k.add_string("data.tokenizer", &c.data.tokenizer);
   k.add_int("data.seq_len", &c.data.seq_len, at_least_one);
   k.add_int("data.batch_size", &c.data.batch_size, at_least_one);
   k.add_float("data.val_fraction", &c.data.val_fraction, {0, 0.5, false, true});

@@ -24,7 +24,7 @@ struct TrainConfig {
     std::vector<std::string> path = {"data/kjv.txt"};  // files or directories, relative to cwd
     std::string format = "auto";                       // auto | text | jsonl
     std::string jsonl_field = "text";
-    std::string tokenizer = "byte";
+    std::string tokenizer = "byte";  // "byte" or a tokenizer.json (`moe tokenizer train`)
     int64_t seq_len = 256;
     int64_t batch_size = 8;     // sequences per micro-batch
     double val_fraction = 0.01; // tail of the token stream held out for validation

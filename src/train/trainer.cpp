@@ -3,10 +3,12 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <memory>
 
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/parallel.h"
+#include "data/bpe.h"
 #include "data/corpus.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"
@@ -14,8 +16,10 @@
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
 #include "model/model.h"
+#include "report/training_report.h"
 #include "train/adamw.h"
 #include "train/evaluation.h"
+#include "train/gemm_peak.h"
 #include "train/lr_schedule.h"
 #include "train/metrics_log.h"
 #include "train/progress.h"
@@ -39,7 +43,21 @@ std::string describe_loss(double loss) {
                              : std::string("n/a");
 }
 
-Corpus load_configured_corpus(const TrainConfig& cfg) {
+std::unique_ptr<Tokenizer> load_configured_tokenizer(const TrainConfig& cfg) {
+  const std::string& spec = cfg.data.tokenizer;
+  MOE_CHECK(spec == ByteTokenizer::kKind || fs::is_regular_file(spec),
+            "data.tokenizer: expected \"byte\" or the path of a tokenizer.json (see `moe tokenizer "
+            "train`), got \"{}\": no such file", spec);
+  return load_tokenizer(spec);
+}
+
+// What a checkpoint stores to reproduce the ids: the tokenizer in its canonical form.
+std::string tokenizer_file_text(const Tokenizer& t) {
+  const auto* bpe = dynamic_cast<const BpeTokenizer*>(&t);
+  return bpe ? bpe->to_json() : std::string();
+}
+
+Corpus load_configured_corpus(const TrainConfig& cfg, const Tokenizer& tokenizer) {
   for (const std::string& p : cfg.data.path)
     MOE_CHECK(fs::exists(p), "data.path: {}: no such file or directory", p);
   CorpusOptions co;
@@ -48,6 +66,7 @@ Corpus load_configured_corpus(const TrainConfig& cfg) {
   co.documents.jsonl_field = cfg.data.jsonl_field;
   co.val_fraction = cfg.data.val_fraction;
   co.seq_len = cfg.data.seq_len;
+  co.tokenizer = &tokenizer;
   return load_corpus(co);
 }
 
@@ -97,19 +116,22 @@ class TrainingRun {
         out_dir_(cfg_.run.out_dir),
         ckpt_dir_(out_dir_ / "checkpoints"),
         progress_(cfg_.logging.progress, cfg_.logging.log_every),
-        corpus_(load_configured_corpus(cfg_)),
-        mc_(resolve_train_model(cfg_, padded_vocab_size(ByteTokenizer::kVocab),
-                                ByteTokenizer::kEndOfText)),
+        tokenizer_(load_configured_tokenizer(cfg_)),
+        tokenizer_json_(tokenizer_file_text(*tokenizer_)),
+        corpus_(load_configured_corpus(cfg_, *tokenizer_)),
+        mc_(resolve_train_model(cfg_, padded_vocab_size(tokenizer_->vocab_size()),
+                                tokenizer_->end_of_text())),
         model_(mc_),
         trainable_(prepare_for_training(model_, static_cast<uint64_t>(cfg_.run.seed))),
         opt_(trainable_, adamw_config(cfg_.optimizer)),
         sampler_(corpus_.train, static_cast<uint64_t>(cfg_.run.seed), cfg_.data.shuffle),
         schedule_{cfg_.optimizer.lr, cfg_.schedule.min_lr, cfg_.schedule.warmup_steps,
                   cfg_.schedule.steps, cfg_.schedule.decay == "cosine"},
-        step_tokens_(cfg_.data.batch_size * cfg_.data.seq_len * cfg_.optimizer.grad_accum) {
+        step_tokens_(cfg_.data.batch_size * cfg_.data.seq_len * cfg_.optimizer.grad_accum),
+        flops_per_token_(train_flops_per_token(mc_, cfg_.data.seq_len)) {
     st_.data_seed = static_cast<uint64_t>(cfg_.run.seed);
     st_.data_fingerprint = corpus_.fingerprint;
-    st_.tokenizer = ByteTokenizer::kKind;
+    st_.tokenizer = tokenizer_->kind();
     st_.config_toml = train_config_to_toml(cfg_);
     result_.unigram_entropy = corpus_.train_unigram_entropy;
     result_.final_val_loss = kNaN;
@@ -118,6 +140,7 @@ class TrainingRun {
   TrainResult run() {
     const auto start = Clock::now();
     describe_setup();
+    measure_peak();
     if (req_.resume_from) restore(*req_.resume_from);
     fs::create_directories(out_dir_);
     // For reference next to the metrics: the configuration this process actually runs.
@@ -132,9 +155,11 @@ class TrainingRun {
       const bool last = st_.step == cfg_.schedule.steps;
       json record = step_record(s);
       if (corpus_.val.size() > 0 && (last || due(cfg_.logging.val_every))) {
+        const auto t0 = Clock::now();
         validate();
         record["val_loss"] = result_.final_val_loss;
         record["val_ppl"] = std::exp(result_.final_val_loss);
+        record["val_s"] = seconds_since(t0);
       }
       record["memory"] = memory_json();
       metrics.write(record);
@@ -161,6 +186,7 @@ class TrainingRun {
     if (!result_.stopped_early && steps_this_run_ == 0 && corpus_.val.size() > 0) validate();
     finish_result(start);
     print_summary(metrics.path());
+    write_report();
     return result_;
   }
 
@@ -180,19 +206,49 @@ class TrainingRun {
         format_count(static_cast<double>(pc.active_per_token)), mc_.num_hidden_layers,
         mc_.n_routed_experts, mc_.vocab_size));
     progress_.message(fmt::format(
-        "data: {} document{}, {} tokens: {} training sequences of {} tokens, {} validation "
-        "tokens; unigram entropy {:.4f} nats",
+        "data: {} document{}, {} tokens ({} tokenizer, {} ids): {} training sequences of {} "
+        "tokens, {} validation tokens; unigram entropy {:.4f} nats",
         corpus_.documents, corpus_.documents == 1 ? "" : "s",
-        format_count(static_cast<double>(corpus_.total_tokens)), corpus_.train.size(),
+        format_count(static_cast<double>(corpus_.total_tokens)), tokenizer_->kind(),
+        tokenizer_->vocab_size(), corpus_.train.size(),
         cfg_.data.seq_len, format_count(static_cast<double>(corpus_.val.tokens().size())),
         corpus_.train_unigram_entropy));
   }
 
+  // The MFU denominator, measured on this machine at this run's thread count.
+  void measure_peak() {
+    peak_gflops_ = gemm_peak_gflops();
+    progress_.message(fmt::format("GEMM peak: {:.1f} GFLOP/s (OpenBLAS kernels: {}, {} thread{})",
+                                  peak_gflops_, blas_kernel_name(), num_threads(),
+                                  num_threads() == 1 ? "" : "s"));
+  }
+
+  double mfu(double tokens_per_s) const {
+    return peak_gflops_ > 0 ? tokens_per_s * flops_per_token_ / (peak_gflops_ * 1e9) : 0.0;
+  }
+
+  // The report is a by-product: failing to draw it must not fail a run whose checkpoint is safe.
+  void write_report() {
+    if (steps_this_run_ == 0 && !fs::exists(out_dir_ / "metrics.jsonl")) return;
+    try {
+      const ReportFiles f = write_training_report(out_dir_);
+      progress_.message(fmt::format("report: {}, {}, {}", f.summary.string(),
+                                    f.loss_chart.string(), f.expert_load_chart.string()));
+    } catch (const std::exception& e) {
+      progress_.warning(fmt::format("the training report could not be written: {}", e.what()));
+    }
+  }
+
   void restore(const fs::path& dir) {
     const TrainerState saved = read_trainer_state(dir);
-    MOE_CHECK(saved.tokenizer == ByteTokenizer::kKind,
-              "{}: trained with tokenizer '{}', this run uses '{}'", dir.string(), saved.tokenizer,
-              ByteTokenizer::kKind);
+    MOE_CHECK(saved.tokenizer == tokenizer_->kind(),
+              "{}: trained with tokenizer '{}', this run uses '{}' (data.tokenizer = \"{}\")",
+              dir.string(), saved.tokenizer, tokenizer_->kind(), cfg_.data.tokenizer);
+    if (!tokenizer_json_.empty())
+      MOE_CHECK(BpeTokenizer::load(dir / kTokenizerFile).to_json() == tokenizer_json_,
+                "{}: trained with a different tokenizer than data.tokenizer = \"{}\"; resume with "
+                "the run's own tokenizer ({})", dir.string(), cfg_.data.tokenizer,
+                (dir / kTokenizerFile).string());
     check_same_model(dir, mc_);
     load_weights(dir, model_.params());
     load_optimizer_state(dir, opt_);
@@ -281,13 +337,16 @@ class TrainingRun {
   }
 
   json step_record(const StepOutcome& s) const {
+    const double tokens_per_s = static_cast<double>(step_tokens_) / s.seconds;
     json r = {{"step", st_.step},
               {"loss", s.loss},
               {"lr", s.lr},
               {"grad_norm", s.grad_norm},
               {"tokens", st_.tokens_seen},
-              {"tokens_per_s", static_cast<double>(step_tokens_) / s.seconds},
+              {"tokens_per_s", tokens_per_s},
+              {"mfu", mfu(tokens_per_s)},
               {"step_s", s.seconds},
+              {"unigram_entropy", result_.unigram_entropy},
               {"skipped", !s.finite},
               {"expert_load", s.expert_load}};
     if (cfg_.optimizer.z_loss > 0) r["z_loss"] = s.z_loss;
@@ -304,8 +363,11 @@ class TrainingRun {
   }
 
   void checkpoint() {
+    std::vector<std::pair<std::string, std::string>> extra;
+    if (!tokenizer_json_.empty()) extra.emplace_back(kTokenizerFile, tokenizer_json_);
     result_.last_checkpoint = save_checkpoint(ckpt_dir_, mc_, model_.params(), opt_, st_,
-                                              cfg_.checkpoint.keep_last, req_.hooks.checkpoint_file);
+                                              cfg_.checkpoint.keep_last, req_.hooks.checkpoint_file,
+                                              extra);
     progress_.message(fmt::format("step {}: checkpoint {}", st_.step, result_.last_checkpoint.string()));
   }
 
@@ -318,6 +380,7 @@ class TrainingRun {
     status.grad_norm = s.grad_norm;
     const double per_step = train_seconds_ / static_cast<double>(steps_this_run_);
     status.tokens_per_s = static_cast<double>(step_tokens_) / per_step;
+    status.mfu = mfu(status.tokens_per_s);
     status.eta_s = static_cast<double>(cfg_.schedule.steps - st_.step) * per_step;
     progress_.step(status);
   }
@@ -343,12 +406,12 @@ class TrainingRun {
                      cfg_.schedule.steps, steps_this_run_, result_.skipped));
     line(fmt::format("tokens seen      {} ({} per step)",
                      format_count(static_cast<double>(st_.tokens_seen)), step_tokens_));
-    line(fmt::format("time             {} ({} tok/s while training)",
-                     format_duration(result_.seconds), format_count(tok_s)));
+    line(fmt::format("time             {} ({} tok/s while training, MFU {:.1f}%)",
+                     format_duration(result_.seconds), format_count(tok_s), 100.0 * mfu(tok_s)));
     line(fmt::format("train loss       {} (mean of the last {} steps)",
                      describe_loss(result_.final_train_loss), n_recent_));
     line(fmt::format("validation loss  {}", describe_loss(result_.final_val_loss)));
-    line(fmt::format("unigram baseline {:.4f} nats (byte entropy of the training data)",
+    line(fmt::format("unigram baseline {:.4f} nats (token entropy of the training data)",
                      result_.unigram_entropy));
     if (!result_.last_checkpoint.empty())
       line(fmt::format("checkpoint       {}", result_.last_checkpoint.string()));
@@ -366,6 +429,8 @@ class TrainingRun {
   const TrainConfig& cfg_;
   const fs::path out_dir_, ckpt_dir_;
   Progress progress_;
+  const std::unique_ptr<Tokenizer> tokenizer_;
+  const std::string tokenizer_json_;  // empty for the byte tokenizer
   const Corpus corpus_;
   const ModelConfig mc_;
   DeepSeekModel model_;
@@ -374,6 +439,8 @@ class TrainingRun {
   TrainSampler sampler_;
   const LrSchedule schedule_;
   const int64_t step_tokens_;
+  const double flops_per_token_;
+  double peak_gflops_ = 0;
   TrainerState st_;
   TrainResult result_;
   double train_seconds_ = 0;
