@@ -111,11 +111,34 @@ Tensor MLAttention::query_backward(const Tensor& dq) {
 
 // ---------------------------------------------------------------- attention core
 
-// out[b*S+s, h*v:(h+1)*v] = softmax_causal(scale * q_bh · k_bhᵀ) · v_bh, with k = [k_nope, k_pe]
-// handled as two accumulating GEMMs straight from the projection buffers (no concatenation).
-// When `probs` is defined (training) the probabilities are written there for backward.
+namespace {
+
+// Scores of query rows [r0, r0 + M) of one (b, h) against keys [0, N), into sc (ld S):
+// scale · (q_nope·k_nopeᵀ + q_pe·k_peᵀ) as two accumulating GEMMs straight from the projection
+// buffers (no concatenation). Forward and backward call this with the same shapes, so the
+// backward's recomputed scores are bitwise the forward's.
+struct ScoreArgs {
+  const float* qrows;  // first query row of the block, head h
+  const float* k_nope;
+  const float* k_rot;
+  int64_t ldq, ldkv, dn, dr, S;
+  float scale;
+};
+
+void block_scores(const ScoreArgs& a, int64_t M, int64_t N, float* sc) {
+  gemm_nt_serial(M, N, a.dn, a.qrows, a.ldq, a.k_nope, a.ldkv, sc, a.S, /*accumulate=*/false,
+                 a.scale);
+  gemm_nt_serial(M, N, a.dr, a.qrows + a.dn, a.ldq, a.k_rot, a.dr, sc, a.S, /*accumulate=*/true,
+                 a.scale);
+}
+
+}  // namespace
+
+// out[b*S+s, h*v:(h+1)*v] = softmax_causal(scale * q_bh · k_bhᵀ) · v_bh, with k = [k_nope, k_pe].
+// When `stats` is defined (training) each row's max and 1/Σexp are written there: backward
+// rebuilds the block's P from them instead of having it saved.
 void MLAttention::attention_core(const Tensor& q, const Tensor& kv, const Tensor& k_pe,
-                                 const Tensor& out, const Tensor& probs,
+                                 const Tensor& out, const Tensor& stats,
                                  const BatchShape& shape) const {
   const int64_t B = shape.batch, S = shape.seq, H = heads;
   const int64_t ldq = H * qk_dim(), ldkv = H * (nope + v_dim), ldo = H * v_dim;
@@ -124,8 +147,8 @@ void MLAttention::attention_core(const Tensor& q, const Tensor& kv, const Tensor
   const float* kvp = kv.f32();
   const float* kpe = k_pe.f32();
   float* op = out.f32();
-  float* pp = probs.defined() ? probs.f32() : nullptr;
-  const ThreadSlabs slabs(pp ? 0 : std::min(kBlock, S) * S);
+  float* st = stats.defined() ? stats.f32() : nullptr;
+  const ThreadSlabs slabs(std::min(kBlock, S) * S);
   const float scale = softmax_scale;
   const int64_t dn = nope, dr = rope_dim, dv = v_dim;
 
@@ -135,16 +158,23 @@ void MLAttention::attention_core(const Tensor& q, const Tensor& kv, const Tensor
     const int64_t bh = task / nblk, blk = nblk - 1 - task % nblk;
     const int64_t b = bh / H, h = bh % H;
     const int64_t r0 = blk * kBlock, r1 = std::min(S, r0 + kBlock), M = r1 - r0, N = r1;
-    float* sc = pp ? pp + (bh * S + r0) * S : slabs.mine();
-    const float* qrows = qp + (b * S + r0) * ldq + h * qk_dim();
+    float* sc = slabs.mine();
     const float* k_nope = kvp + b * S * ldkv + h * (dn + dv);
     const float* v = k_nope + dn;
-    gemm_nt_serial(M, N, dn, qrows, ldq, k_nope, ldkv, sc, S, /*accumulate=*/false, scale);
-    gemm_nt_serial(M, N, dr, qrows + dn, ldq, kpe + b * S * dr, dr, sc, S, /*accumulate=*/true, scale);
+    block_scores({qp + (b * S + r0) * ldq + h * qk_dim(), k_nope, kpe + b * S * dr, ldq, ldkv, dn,
+                  dr, S, scale},
+                 M, N, sc);
     for (int64_t i = 0; i < M; ++i) {
       float* row = sc + i * S;
       const int64_t valid = r0 + i + 1;  // keys 0..r0+i are visible
-      softmax_inplace(row, valid);
+      // softmax_inplace spelled out, to keep the two numbers backward replays it with.
+      const float mx = row_max(row, valid);
+      const float inv = static_cast<float>(1.0 / exp_shift_sum(row, valid, mx));
+      scale_row(row, valid, inv);
+      if (st) {
+        st[2 * (bh * S + r0 + i)] = mx;
+        st[2 * (bh * S + r0 + i) + 1] = inv;
+      }
       // Masked keys inside the block's [0, r1) window take part in the P·v GEMM and backward.
       std::fill(row + valid, row + N, 0.0f);
     }
@@ -174,24 +204,23 @@ Tensor MLAttention::forward(const Tensor& x, const BatchShape& shape, Pass pass)
   gemm_nt(T, rope_dim, hidden, x.f32(), hidden, w + kv_lora_rank * hidden, hidden, k_pe.f32(),
           rope_dim, false);
   rope_forward(*rope_, k_pe.f32(), T, 1, rope_dim, 0, positions.i32());
-  Tensor kv = kv_b_proj.forward(kv_a_layernorm.forward(c_kv, pass), pass);
+  // kv_b_proj keeps nothing: backward rebuilds its input from the norm's saved c_kv (see the
+  // header), and kv from that.
+  Tensor kv = kv_b_proj.forward(kv_a_layernorm.forward(c_kv, pass), Pass::Eval);
+  c_kv.reset();
 
   Tensor out = activation({T, heads * v_dim});
-  // Training keeps P [B, H, S, S]: H*S floats per token, more than everything else this layer
-  // saves (~85K floats per token for V3 shapes) once S > ~660. A flash-style backward would keep
-  // only the per-row log-sum-exp [B, H, S] and recompute q·kᵀ block by block (one more GEMM of
-  // the six), saving H*(S-1) floats per token.
-  Tensor probs = train ? activation({B, heads, S, S}) : Tensor();
-  attention_core(q, kv, k_pe, out, probs, shape);
+  // Training keeps two floats per query row and head instead of P [B, H, S, S].
+  Tensor stats = train ? activation({B, heads, S, 2}) : Tensor();
+  attention_core(q, kv, k_pe, out, stats, shape);
 
   if (train) {
     saved_shape_ = shape;
     saved_x_ = x;
     saved_positions_ = positions;
     saved_q_ = q;
-    saved_kv_ = kv;
     saved_k_pe_ = k_pe;
-    saved_p_ = probs;
+    saved_stats_ = stats;
   }
   return o_proj.forward(out, pass);
 }
@@ -207,19 +236,27 @@ Tensor MLAttention::backward(const Tensor& dy) {
   const int64_t nblk = (S + kBlock - 1) / kBlock;
 
   Tensor d_out = o_proj.backward(dy);  // [T, H*v]
-  Tensor dq = activation({T, ldq});    // every element written once per block row
+  Tensor q = std::move(saved_q_);
+  Tensor c_kv_normed = kv_a_layernorm.recompute_output();
+  Tensor kv = kv_b_proj.forward(c_kv_normed, Pass::Eval);
+  Tensor dq = activation({T, ldq});  // every element written once per block row
   // dK and dV gather contributions from every later query block: accumulated from zero.
   Tensor dkv = Tensor::zeros({T, ldkv}, DType::F32, MemCategory::Activations);
   Tensor dk_pe = activation({T, dr});
   {
-    const float* qp = saved_q_.f32();
-    const float* kvp = saved_kv_.f32();
+    // k_pe is shared by all heads: each (b, h) task accumulates its own dK_pe [S, rope] here,
+    // and the heads are summed in order afterwards (same bits for any thread count).
+    Tensor dk_pe_heads = Tensor::zeros({B, H, S, dr}, DType::F32, MemCategory::Activations);
+    const float* qp = q.f32();
+    const float* kvp = kv.f32();
     const float* kpe = saved_k_pe_.f32();
+    const float* st = saved_stats_.f32();
     const float* dop = d_out.f32();
-    float* pp = saved_p_.f32();
     float* dqp = dq.f32();
     float* dkvp = dkv.f32();
-    const ThreadSlabs slabs(std::min(kBlock, S) * S);
+    float* dkph = dk_pe_heads.f32();
+    const int64_t slab = std::min(kBlock, S) * S;
+    const ThreadSlabs slabs(2 * slab);  // P (then dS) and dP of one block
     const float scale = softmax_scale;
     // Blocks of one (b, h) accumulate into the same dK/dV rows, so they run in order in one task.
     parallel_for(0, B * H, [&](int64_t bh) {
@@ -229,18 +266,29 @@ Tensor MLAttention::backward(const Tensor& dy) {
       const float* k_rot = kpe + b * S * dr;
       float* dk_nope = dkvp + b * S * ldkv + h * (dn + dv);
       float* dvp = dk_nope + dn;
-      float* dP = slabs.mine();
+      float* dk_rot = dkph + bh * S * dr;
+      float* P = slabs.mine();
+      float* dP = P + slab;
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t r0 = blk * kBlock, r1 = std::min(S, r0 + kBlock), M = r1 - r0, N = r1;
-        float* P = pp + (bh * S + r0) * S;
         const float* dO = dop + (b * S + r0) * ldo + h * dv;
         const float* qrows = qp + (b * S + r0) * ldq + h * qk_dim();
         float* dqrows = dqp + (b * S + r0) * ldq + h * qk_dim();
+        // P again, exactly as the forward made it: same score GEMMs, then exp(s − max)·inv.
+        block_scores({qrows, k_nope, k_rot, ldq, ldkv, dn, dr, S, scale}, M, N, P);
+        for (int64_t i = 0; i < M; ++i) {
+          float* row = P + i * S;
+          const int64_t valid = r0 + i + 1;
+          const float* rs = st + 2 * (bh * S + r0 + i);
+          exp_shift_sum(row, valid, rs[0]);
+          scale_row(row, valid, rs[1]);
+          std::fill(row + valid, row + N, 0.0f);
+        }
         // dV[0:N] += Pᵀ·dO and dP = dO·Vᵀ.
         gemm_tn_serial(N, dv, M, P, S, dO, ldo, dvp, ldkv, /*accumulate=*/true);
         gemm_nt_serial(M, N, dv, dO, ldo, v, ldkv, dP, S, /*accumulate=*/false);
         // Softmax backward, dS = P ⊙ (dP − rowsum(dP ⊙ P)), times the score scale; written
-        // over P, which is not needed again. Masked entries stay 0 because P is 0 there.
+        // over P. Masked entries stay 0 because P is 0 there.
         for (int64_t i = 0; i < M; ++i) {
           float* p = P + i * S;
           const float* dp = dP + i * S;
@@ -250,35 +298,36 @@ Tensor MLAttention::backward(const Tensor& dy) {
           const float d = static_cast<float>(dot);
           for (int64_t j = 0; j < valid; ++j) p[j] = scale * (p[j] * (dp[j] - d));
         }
-        // dQ = dS·K for this block's rows; dK_nope[0:N] += dSᵀ·Q_nope (dK_pe: below).
+        // dQ = dS·K for this block's rows; dK_nope[0:N] += dSᵀ·Q_nope, dK_pe[0:N] += dSᵀ·Q_pe.
         gemm_nn_serial(M, dn, N, P, S, k_nope, ldkv, dqrows, ldq, false);
         gemm_nn_serial(M, dr, N, P, S, k_rot, dr, dqrows + dn, ldq, false);
         gemm_tn_serial(N, dn, M, P, S, qrows, ldq, dk_nope, ldkv, true);
+        gemm_tn_serial(N, dr, M, P, S, qrows + dn, ldq, dk_rot, dr, true);
       }
     });
 
-    // k_pe is shared by all heads: dK_pe[keys] = Σ_h dS_hᵀ·Q_pe_h. Tasks own a block of key rows
-    // and add heads in order (no per-head partial buffer, same bits for any thread count). The
-    // query rows >= k0 all have their columns [k0, k1) written (dS, or 0 where masked), so one
-    // GEMM per head covers every query block at once.
     float* dkpe = dk_pe.f32();
-    parallel_for_dynamic(0, B * nblk, [&](int64_t task) {
-      const int64_t b = task / nblk, kb = task % nblk;  // longest first: kb = 0 sees all queries
-      const int64_t k0 = kb * kBlock, k1 = std::min(S, k0 + kBlock);
-      for (int64_t h = 0; h < H; ++h)
-        gemm_tn_serial(k1 - k0, dr, S - k0, pp + ((b * H + h) * S + k0) * S + k0, S,
-                qp + (b * S + k0) * ldq + h * qk_dim() + dn, ldq, dkpe + (b * S + k0) * dr, dr,
-                /*accumulate=*/h > 0);
+    parallel_for(0, T, [&](int64_t t) {
+      const int64_t b = t / S, s = t % S;
+      float* out = dkpe + t * dr;
+      const float* src = dkph + (b * H * S + s) * dr;
+      std::copy(src, src + dr, out);
+      for (int64_t h = 1; h < H; ++h)
+        for (int64_t i = 0; i < dr; ++i) out[i] += src[h * S * dr + i];
     });
   }
-  saved_p_.reset();
-  saved_q_.reset();
-  saved_kv_.reset();
+  saved_stats_.reset();
   saved_k_pe_.reset();
+  q.reset();
+  kv.reset();
+  d_out.reset();
   rope_backward(*rope_, dk_pe.f32(), T, 1, dr, 0, saved_positions_.i32());
 
-  Tensor dc_kv = kv_a_layernorm.backward(kv_b_proj.backward(dkv));
+  Tensor dc_kv = kv_a_layernorm.backward(kv_b_proj.backward(dkv, c_kv_normed));
+  c_kv_normed.reset();
+  dkv.reset();
   Tensor dx = query_backward(dq);
+  dq.reset();
 
   // kv_a_proj_with_mqa: dx += [dc_kv | dk_pe]·W, dW += [dc_kv | dk_pe]ᵀ·x, per row block of W.
   const float* w = kv_a_proj.w();

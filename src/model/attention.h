@@ -29,7 +29,7 @@ class MLAttention {
   Tensor forward(const Tensor& x /*[T, hidden]*/, const BatchShape& shape, Pass pass);
   Tensor backward(const Tensor& dy);  // -> dx [T, hidden]
   void collect(ParamList& out);
-  bool has_saved() const { return saved_p_.defined(); }
+  bool has_saved() const { return saved_stats_.defined(); }
 
   // Linears and norms; kv_a_proj_with_mqa is a bare Param because its output is produced
   // directly as the two separate tensors c_kv and k_pe (two GEMMs on its row blocks).
@@ -48,18 +48,26 @@ class MLAttention {
   Tensor query(const Tensor& x, const Tensor& positions, Pass pass);  // RoPE'd [T, H*(nope+rope)]
   Tensor query_backward(const Tensor& dq);                             // dx from the query path
   void attention_core(const Tensor& q, const Tensor& kv, const Tensor& k_pe, const Tensor& out,
-                      const Tensor& probs, const BatchShape& shape) const;
+                      const Tensor& stats, const BatchShape& shape) const;
 
   std::shared_ptr<RopeTable> rope_;
 
   // Saved by a Train forward (besides what the linears and norms keep for themselves).
+  // Not saved, because backward rebuilds them bitwise from what is:
+  //   P [B, H, S, S]  flash-style, per query block from q, k and the row stats below: one more
+  //                   q·kᵀ GEMM (~1% of a small-model step) instead of H·S floats per token,
+  //                   the largest activation of a training step.
+  //   kv_a_layernorm(c_kv) and kv [T, H, nope+v]: the norm from its saved input (elementwise),
+  //                   then kv_b_proj (one T x kv_lora_rank x H·(nope+v) GEMM, ~1%), instead of
+  //                   kv_lora_rank + H·(nope+v) floats per token.
+  // q stays saved: rebuilding it (q_proj, or q_b_proj after q_a_layernorm, plus RoPE) would
+  // cost ~2-2.5% of a step for H·(nope+rope) floats per token (measured on `small`).
   BatchShape saved_shape_;
   Tensor saved_x_;          // input of kv_a_proj (shared with the query linear)
   Tensor saved_positions_;  // I32 [T]
   Tensor saved_q_;          // [T, H, nope+rope], q_pe rotated
-  Tensor saved_kv_;         // [T, H, nope+v]: k_nope | v
   Tensor saved_k_pe_;       // [T, rope], rotated
-  Tensor saved_p_;          // [B, H, S, S] softmax probabilities (causal part only is valid)
+  Tensor saved_stats_;      // [B, H, S, 2]: per query row, the score max and 1/Σexp(s − max)
 };
 
 }  // namespace moe

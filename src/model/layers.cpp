@@ -31,23 +31,34 @@ Tensor Linear::forward(const Tensor& x, Pass pass) {
   return y;
 }
 
-void Linear::accumulate_weight_grad(const Tensor& dy) {
-  MOE_CHECK(saved_input_.defined(), "{}: backward without a training forward", weight.name);
+void Linear::accumulate_weight_grad(const Tensor& dy, const Tensor& input) {
+  MOE_CHECK(input.defined(), "{}: backward without a training forward", weight.name);
+  MOE_CHECK(input.ndim() == 2 && input.dim(0) == dy.dim(0) && input.dim(1) == in,
+            "{}: backward input must be [{}, {}], got {}", weight.name, dy.dim(0), in,
+            shape_str(input.shape()));
   if (weight.grad.defined())
-    linear_backward_weight(dy.f32(), saved_input_.f32(), weight.g(), dy.dim(0), in, out);
+    linear_backward_weight(dy.f32(), input.f32(), weight.g(), dy.dim(0), in, out);
   saved_input_.reset();
 }
 
 Tensor Linear::backward(const Tensor& dy) {
+  MOE_CHECK(saved_input_.defined(), "{}: backward without a training forward", weight.name);
+  return backward(dy, saved_input_);
+}
+
+Tensor Linear::backward(const Tensor& dy, const Tensor& input) {
+  Tensor x = input;  // may be saved_input_, which accumulate_weight_grad releases
   Tensor dx = activation({dy.dim(0), in});
   linear_backward_input(dy.f32(), weight.w(), dx.f32(), dy.dim(0), in, out, false);
-  accumulate_weight_grad(dy);
+  accumulate_weight_grad(dy, x);
   return dx;
 }
 
 void Linear::backward_accumulate(const Tensor& dy, const Tensor& dx) {
+  MOE_CHECK(saved_input_.defined(), "{}: backward without a training forward", weight.name);
+  Tensor x = saved_input_;
   linear_backward_input(dy.f32(), weight.w(), dx.f32(), dy.dim(0), in, out, true);
-  accumulate_weight_grad(dy);
+  accumulate_weight_grad(dy, x);
 }
 
 // ---------------------------------------------------------------- RMSNorm
@@ -71,6 +82,14 @@ Tensor RMSNorm::forward(const Tensor& x, Pass pass) {
     saved_input_ = x;
     saved_rstd_ = rstd;
   }
+  return y;
+}
+
+Tensor RMSNorm::recompute_output() const {
+  MOE_CHECK(saved_input_.defined(), "{}: recompute without a training forward", weight.name);
+  const int64_t T = saved_input_.dim(0);
+  Tensor y = activation({T, dim});
+  rmsnorm_forward(saved_input_.f32(), weight.w(), y.f32(), nullptr, T, dim, eps);
   return y;
 }
 
@@ -155,12 +174,18 @@ Tensor SwiGLU::forward(const Tensor& x, Pass pass) {
     saved_gate_ = g;
     saved_up_ = u;
   }
-  return down.forward(h, pass);
+  // down saves nothing: backward rebuilds h from g and u (see the class comment).
+  return down.forward(h, Pass::Eval);
 }
 
 Tensor SwiGLU::backward(const Tensor& dy) {
   MOE_CHECK(saved_gate_.defined(), "{}: backward without a training forward", gate.weight.name);
-  Tensor dh = down.backward(dy);
+  Tensor dh;
+  {
+    Tensor h = activation(saved_gate_.shape());
+    swiglu_forward(saved_gate_.f32(), saved_up_.f32(), h.f32(), h.numel());
+    dh = down.backward(dy, h);
+  }
   // dg and du overwrite the saved pre-activations: they are not needed afterwards.
   swiglu_backward(saved_gate_.f32(), saved_up_.f32(), dh.f32(), saved_gate_.f32(),
                   saved_up_.f32(), dh.numel());

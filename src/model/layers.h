@@ -18,6 +18,9 @@ class Linear {
   Tensor backward(const Tensor& dy);
   // dx += dy·W, for layers whose input feeds several linears.
   void backward_accumulate(const Tensor& dy, const Tensor& dx);
+  // Recompute instead of save: a caller that can rebuild the input cheaply in backward runs
+  // forward(x, Pass::Eval) (nothing saved) and hands the rebuilt input to this.
+  Tensor backward(const Tensor& dy, const Tensor& input);
   void collect(ParamList& out) { out.push_back(&weight); }
   bool has_saved() const { return saved_input_.defined(); }
 
@@ -25,7 +28,7 @@ class Linear {
   int64_t in = 0, out = 0;
 
  private:
-  void accumulate_weight_grad(const Tensor& dy);
+  void accumulate_weight_grad(const Tensor& dy, const Tensor& input);
   Tensor saved_input_;
 };
 
@@ -34,6 +37,9 @@ class RMSNorm {
   void init(const std::string& name, int64_t dim, double eps);
   Tensor forward(const Tensor& x, Pass pass);
   Tensor backward(const Tensor& dy);
+  // The output of the last Train forward, recomputed from the saved input (bitwise the same:
+  // one elementwise pass), for consumers that would otherwise keep the output alive as well.
+  Tensor recompute_output() const;
   void collect(ParamList& out) { out.push_back(&weight); }
   bool has_saved() const { return saved_input_.defined(); }
 
@@ -62,6 +68,9 @@ class Embedding {
 };
 
 // down(silu(gate(x)) * up(x)): the dense FFN and the shared experts.
+// Saved for backward: x (by gate and up, one shared tensor), g and u. down's input
+// h = silu(g)·u is not kept: backward recomputes it from g and u (one elementwise pass over
+// [T, hidden]) instead of holding hidden more floats per token across the whole step.
 class SwiGLU {
  public:
   // prefix like "model.layers.0.mlp." (keys gate_proj/up_proj/down_proj.weight follow).

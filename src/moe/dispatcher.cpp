@@ -40,6 +40,21 @@ void gather_rows(const float* src, const int32_t* slot_of_row, float* rows, int6
 
 }  // namespace
 
+Tensor Dispatcher::regather_rows(const Tensor&, const Handle&) const {
+  fail("this dispatcher cannot rebuild dispatched rows locally (they came from other ranks)");
+}
+
+Tensor LocalDispatcher::regather_rows(const Tensor& x, const Handle& handle) const {
+  check(handle, "re-gather");
+  MOE_CHECK(x.ndim() == 2 && x.dim(0) == handle.tokens(),
+            "re-gather: expected the forward's input [{}, dim], got {}", handle.tokens(),
+            shape_str(x.shape()));
+  const int64_t dim = x.dim(1);
+  Tensor rows = activation({handle.rows(), dim});
+  gather_rows(x.f32(), handle.slot_of_row(), rows.f32(), handle.rows(), handle.top_k(), dim);
+  return rows;
+}
+
 void LocalDispatcher::check(const Handle& handle, const char* op) const {
   MOE_CHECK(handle.live(),
             "{}: the dispatch handle was already released (backward after an "

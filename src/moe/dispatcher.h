@@ -98,6 +98,13 @@ class Dispatcher {
   // d rows [R, dim] -> dx [T, dim] (a combine). The last use of the handle: releases it.
   virtual Tensor dispatch_backward(const Tensor& d_rows, Handle& handle) = 0;
 
+  // Whether the dispatched rows can be rebuilt from the forward's input x without any
+  // communication, so a training layer may drop them after forward instead of keeping
+  // R x dim floats until backward. Not when rows arrived from other ranks.
+  virtual bool can_regather_rows() const { return false; }
+  // The rows dispatch produced, rebuilt from x [T, dim] (only when can_regather_rows()).
+  virtual Tensor regather_rows(const Tensor& x, const Handle& handle) const;
+
  protected:
   // For a dispatcher that builds on LocalDispatcher's handle layout (expert parallelism):
   // attach its own state to the handle, so both are released together, and own the handle.
@@ -119,6 +126,8 @@ class LocalDispatcher : public Dispatcher {
   Tensor combine_backward(const Tensor& dy, const Handle& handle) override;
   Tensor row_weights_backward(const Tensor& d_row_weights, const Handle& handle) override;
   Tensor dispatch_backward(const Tensor& d_rows, Handle& handle) override;
+  bool can_regather_rows() const override { return true; }
+  Tensor regather_rows(const Tensor& x, const Handle& handle) const override;
 
  private:
   void check(const Handle& handle, const char* op) const;

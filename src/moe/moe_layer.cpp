@@ -1,9 +1,14 @@
 #include "moe/moe_layer.h"
 
+#include <omp.h>
+
+#include <cstring>
+
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/activations.h"
 #include "kernels/gemm.h"
+#include "kernels/vector_math.h"
 
 namespace moe {
 
@@ -110,8 +115,13 @@ Tensor MoELayer::forward(const Tensor& x, const BatchShape& shape, Pass pass) {
 
   Tensor g = activation({R, H}), u = activation({R, H});
   experts_->gate_up_forward(seg, d.rows.f32(), g.f32(), u.f32());
-  const bool keep_rows = train && experts_->trainable();
-  if (!keep_rows) d.rows.reset();  // lowers the peak of evaluation and inference forwards
+  // The expert weight gradients need the dispatched rows again in backward. With the local
+  // dispatcher row r is a copy of x[slot_of_row[r] / k], and x is saved anyway (router and
+  // shared experts), so backward re-gathers them (one copy of R·dim floats) instead of keeping
+  // k·dim more floats per token alive. Other dispatchers (expert parallelism: rows came from
+  // other ranks) keep them.
+  const bool keep_rows = train && experts_->trainable() && !dispatcher_->can_regather_rows();
+  if (!keep_rows) d.rows.reset();  // lowers the peak of every forward from here on
   Tensor h = activation({R, H});
   swiglu_forward(g.f32(), u.f32(), h.f32(), R * H);
   if (!train) g.reset(), u.reset();
@@ -158,43 +168,56 @@ Tensor MoELayer::backward(const Tensor& dy, float aux_grad_scale) {
   const ExpertSegments seg = ExpertSegments::from(handle);
   const int64_t R = seg.total_rows();
 
+  // Shared experts first: their saved g, u (2·hidden floats per token) are released before the
+  // routed experts' [R, dim] + [R, hidden] gradient buffers exist, which lowers the step's peak
+  // (this backward runs while nearly every activation of the model is still saved).
+  Tensor dx_shared = shared_ ? shared_->backward(dy) : Tensor();
+
   Tensor d_out = dispatcher_->combine_backward(dy, handle);
   Tensor d_h = activation({R, H});
   experts_->down_backward_input(seg, d_out.f32(), d_h.f32());
 
-  // h is recomputed from the saved g, u rather than kept: one elementwise pass instead of R·H
-  // more saved floats.
-  Tensor h = activation({R, H});
-  swiglu_forward(saved_.g.f32(), saved_.u.f32(), h.f32(), R * H);
+  // One fused pass per row r, so that no third [R, H] buffer is needed next to d_out and d_h:
+  //   h = silu(g)·u, recomputed into a per-thread row (h is not saved: R·H floats);
+  //   d_row_w = <dh, h>;  dh *= w;  (dg, du) = swiglu'(g, u, dh), written over the saved g, u;
+  //   then dh, no longer needed, is overwritten with w·h, the down projection's input for its
+  //   weight gradient below.
   Tensor d_row_w = activation({R});
   {
+    const Tensor h_rows = Tensor::empty({omp_get_max_threads(), H}, DType::F32, MemCategory::Scratch);
     const float* rw = saved_.row_weights.f32();
-    float* hp = h.f32();
+    float* gp = saved_.g.f32();
+    float* up = saved_.u.f32();
     float* dhp = d_h.f32();
     float* dw = d_row_w.f32();
     parallel_for(0, R, [&](int64_t r) {
-      float* hr = hp + r * H;
-      float* dr = dhp + r * H;
+      float* h = h_rows.f32() + omp_get_thread_num() * H;
+      float* g = gp + r * H;
+      float* u = up + r * H;
+      float* dh = dhp + r * H;
+      swiglu_row(g, u, h, H);
       double dot = 0;
-      for (int64_t i = 0; i < H; ++i) dot += static_cast<double>(dr[i]) * hr[i];
+      for (int64_t i = 0; i < H; ++i) dot += static_cast<double>(dh[i]) * h[i];
       dw[r] = static_cast<float>(dot);
-      for (int64_t i = 0; i < H; ++i) hr[i] *= rw[r], dr[i] *= rw[r];
+      for (int64_t i = 0; i < H; ++i) dh[i] *= rw[r];
+      swiglu_backward_row(g, u, dh, g, u, H);
+      for (int64_t i = 0; i < H; ++i) dh[i] = h[i] * rw[r];
     });
   }
   const bool weight_grads = experts_->trainable();
-  if (weight_grads) experts_->down_backward_weight(seg, d_out.f32(), h.f32());
-  h.reset();
+  if (weight_grads) experts_->down_backward_weight(seg, d_out.f32(), d_h.f32());
   d_out.reset();
-
-  // dg, du overwrite the saved g, u (no longer needed).
-  float* dg = saved_.g.f32();
-  float* du = saved_.u.f32();
-  swiglu_backward(dg, du, d_h.f32(), dg, du, R * H);
   d_h.reset();
+  const float* dg = saved_.g.f32();
+  const float* du = saved_.u.f32();
+  // Weight gradients first, so the (re-gathered) rows are gone before d_rows exists.
+  if (weight_grads) {
+    Tensor rows = saved_.rows.defined() ? std::move(saved_.rows) : dispatcher_->regather_rows(saved_.x, handle);
+    experts_->gate_up_backward_weight(seg, dg, du, rows.f32());
+  }
+  saved_.rows.reset();
   Tensor d_rows = activation({R, D});
   experts_->gate_up_backward_input(seg, dg, du, d_rows.f32());
-  if (weight_grads) experts_->gate_up_backward_weight(seg, dg, du, saved_.rows.f32());
-  saved_.rows.reset();
   saved_.g.reset();
   saved_.u.reset();
 
@@ -210,10 +233,7 @@ Tensor MoELayer::backward(const Tensor& dy, float aux_grad_scale) {
     gemm_tn(E, D, T, d_logits.f32(), E, x, D, gate_weight.g(), D, true);
   gemm_nn(T, D, E, d_logits.f32(), E, gate_weight.w(), D, dx.f32(), D, true);
 
-  if (shared_) {
-    Tensor dxs = shared_->backward(dy);
-    add_inplace(dx.f32(), dxs.f32(), dx.numel());
-  }
+  if (dx_shared.defined()) add_inplace(dx.f32(), dx_shared.f32(), dx.numel());
   saved_ = Saved{};
   return dx;
 }

@@ -10,9 +10,11 @@
 // transpose, and dw = <dh_scaled, h> is a dot over the expert width that needs no saved
 // expert output.
 //
-// Saved for backward (Train only): x, router scores/ids/weights, the dispatched rows (only for
-// trainable experts), g and u, the per-row weights, the aux-loss f, and the dispatch Handle
-// (MemCategory::Routing). Backward releases all of it.
+// Saved for backward (Train only): x, router scores/ids/weights, g and u, the per-row weights,
+// the aux-loss f, and the dispatch Handle (MemCategory::Routing). Not saved: h (recomputed from
+// g and u), and, when the dispatcher can (Dispatcher::can_regather_rows), the dispatched rows: backward re-gathers them from x
+// through the Handle (one row copy instead of k·dim floats per token held all step); other
+// dispatchers keep them (for trainable experts only). Backward releases all of it.
 #include <memory>
 #include <string>
 #include <vector>
