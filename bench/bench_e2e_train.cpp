@@ -58,9 +58,9 @@ int main(int argc, char** argv) {
     }
     LossResult r = model.forward(tokens, targets, shape, Pass::Train);
     model.backward();
-    clip_grad_norm(model.trainable_params(), 1.0);
+    const float clip = clip_coefficient(grad_norm(model.trainable_params()), 1.0);
     model.update_router_biases(1e-3);
-    opt.step(1e-3);
+    opt.step(1e-3, clip);
     model.zero_grads();
     return r.total();
   };

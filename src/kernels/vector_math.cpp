@@ -100,6 +100,24 @@ void SwigluBackwardRow(const float* g, const float* u, const float* dh, float* d
   });
 }
 
+void AdamWRow(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
+  const D d;
+  const V scale = hn::Set(d, p.grad_scale), decay = hn::Set(d, p.decay);
+  const V b1 = hn::Set(d, p.beta1), b2 = hn::Set(d, p.beta2);
+  const V one_b1 = hn::Set(d, 1.0f - p.beta1), one_b2 = hn::Set(d, 1.0f - p.beta2);
+  const V step = hn::Set(d, p.step_size), bc2 = hn::Set(d, p.bc2_sqrt), eps = hn::Set(d, p.eps);
+  for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
+    const V gv = hn::Mul(load(g + i, k, tail), scale);
+    const V mv = hn::Add(hn::Mul(load(m + i, k, tail), b1), hn::Mul(gv, one_b1));
+    const V vv = hn::Add(hn::Mul(load(v + i, k, tail), b2), hn::Mul(hn::Mul(gv, gv), one_b2));
+    const V denom = hn::Add(hn::Div(hn::Sqrt(vv), bc2), eps);
+    const V wv = hn::Mul(load(w + i, k, tail), decay);
+    store(mv, m + i, k, tail);
+    store(vv, v + i, k, tail);
+    store(hn::Sub(wv, hn::Mul(step, hn::Div(mv, denom))), w + i, k, tail);
+  });
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace moe
 HWY_AFTER_NAMESPACE();
@@ -113,6 +131,11 @@ HWY_EXPORT(ScaleRow);
 HWY_EXPORT(SigmoidRow);
 HWY_EXPORT(SwigluRow);
 HWY_EXPORT(SwigluBackwardRow);
+HWY_EXPORT(AdamWRow);
+
+void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
+  HWY_DYNAMIC_DISPATCH(AdamWRow)(w, g, m, v, n, p);
+}
 
 float row_max(const float* x, int64_t n) { return HWY_DYNAMIC_DISPATCH(RowMax)(x, n); }
 double exp_shift_sum(float* x, int64_t n, float shift) {

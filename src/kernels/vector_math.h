@@ -17,6 +17,13 @@ void swiglu_row(const float* g, const float* u, float* h, int64_t n);
 void swiglu_backward_row(const float* g, const float* u, const float* dh, float* dg, float* du,
                          int64_t n);
 
+// One AdamW update of a row (torch.optim.AdamW's arithmetic): g is read as g * grad_scale;
+// w *= decay; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g²; w -= step_size · m / (√v / bc2_sqrt + eps).
+struct AdamWRowParams {
+  float grad_scale, decay, beta1, beta2, step_size, bc2_sqrt, eps;
+};
+void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p);
+
 // Numerically stable softmax of a row in place; returns log-sum-exp of the input.
 double softmax_inplace(float* x, int64_t n);
 // log(sum(exp(x))) without modifying x (uses `scratch` of n floats).

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/parallel.h"
+#include "kernels/vector_math.h"
 
 namespace moe {
 
@@ -13,32 +14,28 @@ AdamW::AdamW(ParamList params, const AdamWConfig& cfg) : params_(std::move(param
   }
 }
 
-void AdamW::step(double lr) {
+void AdamW::step(double lr, float grad_scale) {
   ++step_;
-  const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(step_));
-  const double bc2_sqrt = std::sqrt(1.0 - std::pow(cfg_.beta2, static_cast<double>(step_)));
-  const float b1 = static_cast<float>(cfg_.beta1), b2 = static_cast<float>(cfg_.beta2);
-  const float step_size = static_cast<float>(lr / bc1);
-  const float eps = static_cast<float>(cfg_.eps);
+  AdamWRowParams row;
+  row.grad_scale = grad_scale;
+  row.beta1 = static_cast<float>(cfg_.beta1);
+  row.beta2 = static_cast<float>(cfg_.beta2);
+  row.step_size = static_cast<float>(lr / (1.0 - std::pow(cfg_.beta1, static_cast<double>(step_))));
+  row.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(cfg_.beta2, static_cast<double>(step_))));
+  row.eps = static_cast<float>(cfg_.eps);
+  constexpr int64_t kChunk = 4096;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
     if (!p->grad.defined()) continue;
-    const float decay = p->weight_decay ? static_cast<float>(1.0 - lr * cfg_.weight_decay) : 1.0f;
+    row.decay = p->weight_decay ? static_cast<float>(1.0 - lr * cfg_.weight_decay) : 1.0f;
     float* w = p->w();
     const float* g = p->g();
     float* m = m_[i].f32();
     float* v = v_[i].f32();
     const int64_t n = p->value.numel();
-    const int64_t chunks = (n + 4095) / 4096;
-    parallel_for(0, chunks, [&](int64_t c) {
-      const int64_t hi = std::min(n, (c + 1) * 4096);
-      for (int64_t j = c * 4096; j < hi; ++j) {
-        w[j] *= decay;
-        m[j] = m[j] * b1 + g[j] * (1.0f - b1);
-        v[j] = v[j] * b2 + g[j] * g[j] * (1.0f - b2);
-        const float denom = std::sqrt(v[j]) / static_cast<float>(bc2_sqrt) + eps;
-        w[j] -= step_size * (m[j] / denom);
-      }
+    parallel_for(0, (n + kChunk - 1) / kChunk, [&](int64_t c) {
+      const int64_t lo = c * kChunk;
+      adamw_row(w + lo, g + lo, m + lo, v + lo, std::min(kChunk, n - lo), row);
     });
   }
 }
@@ -62,11 +59,15 @@ double grad_norm(const ParamList& params) {
   return std::sqrt(total);
 }
 
+float clip_coefficient(double norm, double max_norm) {
+  const double coef = max_norm / (norm + 1e-6);
+  return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
+}
+
 double clip_grad_norm(const ParamList& params, double max_norm) {
   const double norm = grad_norm(params);
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    const float c = static_cast<float>(coef);
+  const float c = clip_coefficient(norm, max_norm);
+  if (c < 1.0f) {
     for (Param* p : params) {
       if (!p->grad.defined()) continue;
       float* g = p->g();

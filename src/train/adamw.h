@@ -19,8 +19,9 @@ struct AdamWConfig {
 class AdamW {
  public:
   AdamW(ParamList params, const AdamWConfig& cfg);
-  // One update at learning rate `lr`; params without a gradient are skipped.
-  void step(double lr);
+  // One update at learning rate `lr`; params without a gradient are skipped. Gradients are read
+  // as g * grad_scale, which applies global-norm clipping without a pass of its own.
+  void step(double lr, float grad_scale = 1.0f);
   int64_t steps() const { return step_; }
   void set_steps(int64_t s) { step_ = s; }
   const AdamWConfig& config() const { return cfg_; }
@@ -38,6 +39,9 @@ class AdamW {
 
 // Global L2 norm of all gradients (fixed-order, in double).
 double grad_norm(const ParamList& params);
+// The factor torch.nn.utils.clip_grad_norm_ applies for a global norm: max_norm / (norm + 1e-6)
+// when that is below 1, else 1.
+float clip_coefficient(double norm, double max_norm);
 // Scales gradients so their global norm is at most max_norm; returns the norm before clipping.
 double clip_grad_norm(const ParamList& params, double max_norm);
 // True when any gradient holds a NaN or an infinity.

@@ -297,13 +297,15 @@ class TrainingRun {
       s.aux_loss += r.aux / static_cast<double>(accum);
     }
     s.expert_load = expert_load_json(model_);
-    s.grad_norm = cfg_.optimizer.grad_clip > 0 ? clip_grad_norm(trainable_, cfg_.optimizer.grad_clip)
-                                               : grad_norm(trainable_);
+    s.grad_norm = grad_norm(trainable_);
+    const float clip = cfg_.optimizer.grad_clip > 0
+                           ? clip_coefficient(s.grad_norm, cfg_.optimizer.grad_clip)
+                           : 1.0f;
     s.finite = std::isfinite(s.loss) && std::isfinite(s.grad_norm);
     if (s.finite) {
       st_.nonfinite_streak = 0;
       model_.update_router_biases(cfg_.optimizer.bias_update_rate);
-      opt_.step(s.lr);
+      opt_.step(s.lr, clip);  // clipping folded into the update: one pass over the gradients
     } else {
       skip(s);
     }
