@@ -15,34 +15,13 @@
 #include "data/packing.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"
+#include "test_util.h"
 
 using namespace moe;
+using namespace moe::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-fs::path scratch_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir = fs::path(MOE_BINARY_DIR) / "test_data_tmp" /
-                       (std::string(info->test_suite_name()) + "." + info->name());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-void write_text(const fs::path& p, const std::string& text) {
-  fs::create_directories(p.parent_path());
-  std::ofstream(p, std::ios::binary) << text;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 std::vector<int32_t> iota_tokens(int32_t n) {
   std::vector<int32_t> t(static_cast<size_t>(n));
@@ -140,7 +119,7 @@ TEST(Sampler, PositionResumesTheSameStreamAcrossEpochs) {
 }
 
 TEST(Documents, DirectoriesAreSortedRecursiveAndSkipHidden) {
-  const fs::path d = scratch_dir();
+  const fs::path d = scratch_dir("test_data_tmp");
   write_text(d / "b.txt", "second");
   write_text(d / "a" / "z.txt", "first");
   write_text(d / "c.jsonl", "{\"text\": \"third\"}\n\n{\"text\": \"fourth\", \"id\": 3}\n");
@@ -156,7 +135,7 @@ TEST(Documents, DirectoriesAreSortedRecursiveAndSkipHidden) {
 }
 
 TEST(Documents, JsonlFieldAndErrorsNameFileAndLine) {
-  const fs::path d = scratch_dir();
+  const fs::path d = scratch_dir("test_data_tmp");
   write_text(d / "x.jsonl", "{\"body\": \"hello\"}\n");
   DocumentOptions o;
   o.jsonl_field = "body";
@@ -172,7 +151,7 @@ TEST(Documents, JsonlFieldAndErrorsNameFileAndLine) {
 }
 
 TEST(Corpus, DataSmallerThanOneSequenceNamesThePath) {
-  const fs::path d = scratch_dir();
+  const fs::path d = scratch_dir("test_data_tmp");
   write_text(d / "tiny.txt", "just a few words");
   CorpusOptions o;
   o.paths = {(d / "tiny.txt").string()};

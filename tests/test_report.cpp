@@ -17,36 +17,14 @@
 #include "report/run_history.h"
 #include "report/svg.h"
 #include "report/training_report.h"
+#include "test_util.h"
 
 using namespace moe;
+using namespace moe::testing;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
-
-fs::path scratch_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir = fs::path(MOE_BINARY_DIR) / "test_report_tmp" / info->name();
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 size_t count(const std::string& text, const std::string& what) {
   size_t n = 0;
@@ -149,7 +127,7 @@ TEST(Svg, TicksLabelsEscapingAndColours) {
 }
 
 TEST(RunHistory, ReadsStepsValidationMemoryAndExpertCounts) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_report_tmp");
   write_metrics(dir, 30);
   std::ofstream(dir / "metrics.jsonl", std::ios::app) << R"({"step": 31, "lo)";  // torn write
   const RunHistory h = read_run_history(dir / "metrics.jsonl");
@@ -166,7 +144,7 @@ TEST(RunHistory, ReadsStepsValidationMemoryAndExpertCounts) {
 }
 
 TEST(RunHistory, MissingOrBrokenMetricsAreClearErrors) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_report_tmp");
   std::string e = error_of([&] { read_run_history(dir / "metrics.jsonl"); });
   EXPECT_NE(e.find((dir / "metrics.jsonl").string()), std::string::npos) << e;
   EXPECT_NE(error_of([&] { write_training_report(dir); }).find("metrics.jsonl"), std::string::npos);
@@ -197,7 +175,7 @@ TEST(RunHistory, MissingOrBrokenMetricsAreClearErrors) {
 }
 
 TEST(TrainingReport, WritesTheChartsAndSummary) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_report_tmp");
   write_metrics(dir, 80, 3, 8);
   const ReportFiles f = write_training_report(dir);
   EXPECT_EQ(f.loss_chart, dir / "report" / "loss.svg");
@@ -229,7 +207,7 @@ TEST(TrainingReport, WritesTheChartsAndSummary) {
 }
 
 TEST(TrainingReport, DenseModelsAndOldMetricsStillGetAReport) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_report_tmp");
   {
     std::ofstream out(dir / "metrics.jsonl");
     for (int s = 1; s <= 3; ++s) {
@@ -247,7 +225,7 @@ TEST(TrainingReport, DenseModelsAndOldMetricsStillGetAReport) {
 }
 
 TEST(ReportCli, RegeneratesFromMetricsAndFailsClearly) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_report_tmp");
   write_metrics(dir, 12);
   std::string out;
   ASSERT_EQ(run_moe("report --run " + dir.string(), &out), 0) << out;

@@ -15,29 +15,14 @@
 #include "data/bpe_trainer.h"
 #include "data/byte_level.h"
 #include "data/packing.h"
+#include "test_util.h"
 
 using namespace moe;
+using namespace moe::testing;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
-
-fs::path scratch_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir = fs::path(MOE_BINARY_DIR) / "test_tokenizer_tmp" / info->name();
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 std::vector<std::string> corpus() {
   return {"In the beginning God created the heaven and the earth.\n\nAnd the earth was without "
@@ -162,7 +147,7 @@ TEST(Bpe, RoundTripIsExactOnAnyBytes) {
 }
 
 TEST(Bpe, WritesTheHuggingFaceLayoutAndLoadsItBack) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_tokenizer_tmp");
   const BpeTokenizer t = train_bpe(corpus(), 300);
   std::ofstream(dir / "tokenizer.json") << t.to_json();
   const json j = json::parse(t.to_json());
@@ -193,7 +178,7 @@ TEST(Bpe, WritesTheHuggingFaceLayoutAndLoadsItBack) {
 }
 
 TEST(Bpe, BadFilesAreRejectedNamingTheFileAndField) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_tokenizer_tmp");
   const json good = json::parse(train_bpe(corpus(), 270).to_json());
   auto error_for = [&](const std::function<void(json&)>& edit) {
     json j = good;

@@ -28,39 +28,16 @@
 #include "train/sampling.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
+#include "test_util.h"
 
 using namespace moe;
+using namespace moe::testing;
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path scratch_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir = fs::path(MOE_BINARY_DIR) / "test_train_tmp" /
-                       (std::string(info->test_suite_name()) + "." + info->name());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 void write_file(const fs::path& p, const std::string& text) {
   std::ofstream(p, std::ios::binary) << text;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 // Small, repetitive English: a few templates over a few words, so a tiny model can learn a lot
@@ -250,7 +227,7 @@ TEST(Sampling, GreedyTopKTopPAndDeterminism) {
 // ---------------------------------------------------------------- training
 
 TEST(Train, LossFallsWellBelowTheUnigramEntropy) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_train_tmp");
   TrainRequest req;
   req.config = tiny_config(dir, 150, {{"logging.val_every", "50"}});
   const TrainResult r = train(req);
@@ -283,7 +260,7 @@ TEST(Train, LossFallsWellBelowTheUnigramEntropy) {
 }
 
 TEST(Train, ResumeReproducesAnUninterruptedRunBitwise) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_train_tmp");
   const std::vector<ConfigOverride> o = {{"checkpoint.every", "6"}, {"optimizer.grad_accum", "2"},
                                          {"optimizer.z_loss", "1e-4"}};
   TrainRequest full;
@@ -322,7 +299,7 @@ TEST(Train, ResumeReproducesAnUninterruptedRunBitwise) {
 }
 
 TEST(Train, NonFiniteStepsAreSkippedThenStopTheRun) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_train_tmp");
   TrainRequest req;
   req.config = tiny_config(dir, 20, {{"checkpoint.every", "2"}, {"optimizer.max_nonfinite_steps", "2"}});
   float saved = 0;
@@ -355,7 +332,7 @@ TEST(Train, NonFiniteStepsAreSkippedThenStopTheRun) {
 }
 
 TEST(Checkpoint, KilledWriteLeavesThePreviousCheckpointLoadable) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_train_tmp");
   TrainRequest req;
   req.config = tiny_config(dir, 4, {{"checkpoint.every", "2"}});
   train(req);
@@ -409,7 +386,7 @@ TEST(Checkpoint, KilledWriteLeavesThePreviousCheckpointLoadable) {
 }
 
 TEST(Train, FreshRunRefusesAnOutDirWithCheckpoints) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_train_tmp");
   TrainRequest req;
   req.config = tiny_config(dir, 2);
   train(req);
@@ -420,7 +397,7 @@ TEST(Train, FreshRunRefusesAnOutDirWithCheckpoints) {
 // ---------------------------------------------------------------- command lines
 
 TEST(TrainCli, BadConfigsExitNonZeroNamingTheKey) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_train_tmp");
   write_file(dir / "corpus.txt", tiny_corpus());
   write_file(dir / "bad.toml", "[optimizer]\nlrr = 1e-3\n");
   Command c = run_moe("train --config " + (dir / "bad.toml").string());
@@ -444,7 +421,7 @@ TEST(TrainCli, BadConfigsExitNonZeroNamingTheKey) {
 }
 
 TEST(TrainCli, TrainResumeAndSample) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_train_tmp");
   write_file(dir / "corpus.txt", tiny_corpus());
   write_file(dir / "ok.toml", tiny_toml(dir, 4));
   const std::string cfg = "train --config " + (dir / "ok.toml").string();
@@ -476,7 +453,7 @@ TEST(TrainCli, TrainResumeAndSample) {
 }
 
 TEST(TrainCli, BpeTokenizerTrainsAndTravelsWithTheCheckpoint) {
-  const fs::path dir = scratch_dir();
+  const fs::path dir = scratch_dir("test_train_tmp");
   write_file(dir / "corpus.txt", tiny_corpus());
   write_file(dir / "ok.toml", tiny_toml(dir, 3));
   const fs::path tok = dir / "tokenizer.json";

@@ -217,23 +217,6 @@ Tensor AllToAllDispatcher::to_experts(const float* per_token, int64_t width, con
   return out;
 }
 
-namespace {
-
-// y[t] = Σ_j back[send_pos[t·k + j]], j ascending, fp32: LocalDispatcher's order exactly.
-void sum_slots(const float* back, const int32_t* send_pos, float* y, int64_t T, int64_t k,
-               int64_t dim) {
-  parallel_for(0, T, [&](int64_t t) {
-    float* yt = y + t * dim;
-    const int32_t* rows = send_pos + t * k;
-    std::memcpy(yt, back + static_cast<int64_t>(rows[0]) * dim, sizeof(float) * dim);
-    for (int64_t j = 1; j < k; ++j) {
-      const float* s = back + static_cast<int64_t>(rows[j]) * dim;
-      for (int64_t i = 0; i < dim; ++i) yt[i] += s[i];
-    }
-  });
-}
-
-}  // namespace
 
 Tensor AllToAllDispatcher::combine(const Tensor& expert_out, Handle& handle, Pass pass) {
   const detail::EpSendSide s = send_side(handle, "combine");
@@ -244,7 +227,7 @@ Tensor AllToAllDispatcher::combine(const Tensor& expert_out, Handle& handle, Pas
   Tensor y = activation({T, dim});
   {
     Tensor back = to_sources(expert_out.f32(), dim, handle, s);
-    if (k > 0) sum_slots(back.f32(), s.send_pos(), y.f32(), T, k, dim);
+    if (k > 0) sum_token_slots(back.f32(), s.send_pos(), y.f32(), T, k, dim);
     else y.zero();
   }
   if (!needs_backward(pass)) handle.release();
@@ -283,7 +266,7 @@ Tensor AllToAllDispatcher::dispatch_backward(const Tensor& d_rows, Handle& handl
   Tensor dx = activation({T, dim});
   {
     Tensor back = to_sources(d_rows.f32(), dim, handle, s);
-    if (k > 0) sum_slots(back.f32(), s.send_pos(), dx.f32(), T, k, dim);
+    if (k > 0) sum_token_slots(back.f32(), s.send_pos(), dx.f32(), T, k, dim);
     else dx.zero();
   }
   handle.release();

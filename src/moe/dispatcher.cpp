@@ -15,21 +15,6 @@ Tensor activation(const Shape& shape) {
   return Tensor::empty(shape, DType::F32, MemCategory::Activations);
 }
 
-// y[t] = Σ_j src[row_of_slot[t·k + j]], j ascending, in fp32: the one summation order used by
-// combine and by dispatch's backward alike.
-void sum_slots(const float* src, const int32_t* row_of_slot, float* y, int64_t T, int64_t k,
-               int64_t dim) {
-  parallel_for(0, T, [&](int64_t t) {
-    float* yt = y + t * dim;
-    const int32_t* rows = row_of_slot + t * k;
-    std::memcpy(yt, src + static_cast<int64_t>(rows[0]) * dim, sizeof(float) * dim);
-    for (int64_t j = 1; j < k; ++j) {
-      const float* s = src + static_cast<int64_t>(rows[j]) * dim;
-      for (int64_t i = 0; i < dim; ++i) yt[i] += s[i];
-    }
-  });
-}
-
 // rows[r] = src[slot_of_row[r] / k]: dispatch and combine's backward alike.
 void gather_rows(const float* src, const int32_t* slot_of_row, float* rows, int64_t R, int64_t k,
                  int64_t dim) {
@@ -39,6 +24,19 @@ void gather_rows(const float* src, const int32_t* slot_of_row, float* rows, int6
 }
 
 }  // namespace
+
+void sum_token_slots(const float* rows, const int32_t* row_of_slot, float* y, int64_t T, int64_t k,
+                     int64_t dim) {
+  parallel_for(0, T, [&](int64_t t) {
+    float* yt = y + t * dim;
+    const int32_t* r = row_of_slot + t * k;
+    std::memcpy(yt, rows + static_cast<int64_t>(r[0]) * dim, sizeof(float) * dim);
+    for (int64_t j = 1; j < k; ++j) {
+      const float* s = rows + static_cast<int64_t>(r[j]) * dim;
+      for (int64_t i = 0; i < dim; ++i) yt[i] += s[i];
+    }
+  });
+}
 
 Tensor Dispatcher::regather_rows(const Tensor&, const Handle&) const {
   fail("this dispatcher cannot rebuild dispatched rows locally (they came from other ranks)");
@@ -123,7 +121,8 @@ Tensor LocalDispatcher::combine(const Tensor& expert_out, Handle& handle, Pass p
             shape_str(expert_out.shape()));
   const int64_t dim = expert_out.dim(1);
   Tensor y = activation({handle.tokens(), dim});
-  sum_slots(expert_out.f32(), handle.row_of_slot(), y.f32(), handle.tokens(), handle.top_k(), dim);
+  sum_token_slots(expert_out.f32(), handle.row_of_slot(), y.f32(), handle.tokens(),
+                  handle.top_k(), dim);
   if (!needs_backward(pass)) handle.release();
   return y;
 }
@@ -159,7 +158,8 @@ Tensor LocalDispatcher::dispatch_backward(const Tensor& d_rows, Handle& handle) 
             shape_str(d_rows.shape()));
   const int64_t dim = d_rows.dim(1);
   Tensor dx = activation({handle.tokens(), dim});
-  sum_slots(d_rows.f32(), handle.row_of_slot(), dx.f32(), handle.tokens(), handle.top_k(), dim);
+  sum_token_slots(d_rows.f32(), handle.row_of_slot(), dx.f32(), handle.tokens(),
+                  handle.top_k(), dim);
   handle.release();
   return dx;
 }

@@ -73,6 +73,11 @@ class Handle {
   ExpertRange experts_;
 };
 
+// y[t] = Σ_j rows[row_of_slot[t·k + j]], j ascending, in fp32 (k >= 1): the one order in which
+// every dispatcher sums a token's k contributions, so local and expert-parallel runs agree.
+void sum_token_slots(const float* rows, const int32_t* row_of_slot, float* y, int64_t T, int64_t k,
+                     int64_t dim);
+
 struct Dispatched {
   Tensor rows;         // [R, dim] expert-major
   Tensor row_weights;  // [R] routing weight of each row
