@@ -499,8 +499,16 @@ TEST(MLAttention, ActivationsReturnToBaseline) {
   {
     Tensor y = s->attn.forward(s->x, s->shape, Pass::Train);
     EXPECT_TRUE(s->attn.has_saved());
-    EXPECT_GT(tracker.current(MemCategory::Activations), before);
     y.reset();
+    // Exactly what backward needs, no [B, H, S, S] probabilities and no kv: q, k_pe, the
+    // per-row softmax stats, c_kv (+ rstd) for kv_a_layernorm, a (+ rstd) and its norm for the
+    // q LoRA path, and o_proj's input. x belongs to the caller.
+    const int64_t T = s->shape.tokens(), H = c.heads, B = c.batch, S = c.seq;
+    const int64_t saved_floats = T * (H * (c.nope + c.rope) + c.rope + c.kv_lora + 1 +
+                                      2 * c.q_lora + 1 + H * c.v) +
+                                 B * H * S * 2;
+    EXPECT_EQ(tracker.current(MemCategory::Activations) - before,
+              saved_floats * static_cast<int64_t>(sizeof(float)));
     Tensor dx = s->attn.backward(r);
     EXPECT_FALSE(s->attn.has_saved());
     for (Param* p : s->params) EXPECT_FALSE(p->name.empty());

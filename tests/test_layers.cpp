@@ -138,6 +138,22 @@ TEST(Layers, EvalForwardLeavesNoActivations) {
   EXPECT_EQ(MemoryTracker::instance().current(MemCategory::Activations), before);
 }
 
+TEST(SwiGLU, TrainForwardSavesOnlyGateAndUp) {
+  Rng rng(9);
+  SwiGLU mlp;
+  mlp.init("m.", 8, 12);
+  const int64_t before = MemoryTracker::instance().current(MemCategory::Activations);
+  Tensor x = random_tensor({5, 8}, rng);  // the caller's (Scratch)
+  mlp.forward(x, Pass::Train).reset();
+  // g and u [T, hidden]; down's input h is recomputed in backward, not kept.
+  EXPECT_EQ(MemoryTracker::instance().current(MemCategory::Activations) - before,
+            2 * 5 * 12 * static_cast<int64_t>(sizeof(float)));
+  EXPECT_FALSE(mlp.down.has_saved());
+  mlp.backward(random_tensor({5, 8}, rng)).reset();
+  EXPECT_FALSE(mlp.has_saved() || mlp.gate.has_saved() || mlp.up.has_saved());
+  EXPECT_EQ(MemoryTracker::instance().current(MemCategory::Activations), before);
+}
+
 TEST(Layers, SameBitsForOneAndTwoThreads) {
   auto run = [](int threads) {
     set_num_threads(threads);

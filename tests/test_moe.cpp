@@ -684,6 +684,12 @@ TEST(MoELayer, HandleAndActivationsLiveExactlyUntilBackward) {
   }
   for (int step = 0; step < 3; ++step) {
     { Tensor y = m.forward(x, {2, 4}, Pass::Train); }
+    // Saved: router ids, weights and scores, the per-row weights, g and u of the routed and
+    // the shared experts. Not the dispatched rows (re-gathered from x) nor any h (recomputed).
+    const int64_t T = 8, R = T * o.top_k, Hs = o.hidden * o.shared;
+    const int64_t saved_floats = 2 * T * o.top_k + T * o.experts + R + 2 * R * o.hidden + 2 * T * Hs;
+    EXPECT_EQ(tracker.current(MemCategory::Activations) - act0,
+              saved_floats * static_cast<int64_t>(sizeof(float)));
     EXPECT_GT(tracker.current(MemCategory::Routing), routing0);
     EXPECT_TRUE(m.has_saved());
     { Tensor dx = m.backward(dy); }

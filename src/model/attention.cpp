@@ -88,13 +88,15 @@ void MLAttention::collect(ParamList& out) {
 
 // ---------------------------------------------------------------- query path
 
-Tensor MLAttention::query(const Tensor& x, const Tensor& positions, Pass pass) {
+Tensor MLAttention::query(const Tensor& x, const Tensor& positions, Pass pass,
+                          SaveInput save_input) {
+  const Pass first = save_input == SaveInput::Yes ? pass : Pass::Eval;
   Tensor q;
   if (q_lora_rank > 0) {
-    Tensor a = q_a_proj.forward(x, pass);
+    Tensor a = q_a_proj.forward(x, first);
     q = q_b_proj.forward(q_a_layernorm.forward(a, pass), pass);
   } else {
-    q = q_proj.forward(x, pass);
+    q = q_proj.forward(x, first);
   }
   // In place is safe: the q linear saved its input, not this output.
   rope_forward(*rope_, q.f32() + nope, x.dim(0), heads, heads * qk_dim(), qk_dim(),
@@ -102,11 +104,12 @@ Tensor MLAttention::query(const Tensor& x, const Tensor& positions, Pass pass) {
   return q;
 }
 
-Tensor MLAttention::query_backward(const Tensor& dq) {
+Tensor MLAttention::query_backward(const Tensor& dq, const Tensor& x) {
   rope_backward(*rope_, dq.f32() + nope, dq.dim(0), heads, heads * qk_dim(), qk_dim(),
                 saved_positions_.i32());
-  if (q_lora_rank > 0) return q_a_proj.backward(q_a_layernorm.backward(q_b_proj.backward(dq)));
-  return q_proj.backward(dq);
+  if (q_lora_rank > 0)
+    return q_a_proj.backward(q_a_layernorm.backward(q_b_proj.backward(dq)), x);
+  return q_proj.backward(dq, x);
 }
 
 // ---------------------------------------------------------------- attention core
@@ -184,7 +187,8 @@ void MLAttention::attention_core(const Tensor& q, const Tensor& kv, const Tensor
 
 // ---------------------------------------------------------------- forward
 
-Tensor MLAttention::forward(const Tensor& x, const BatchShape& shape, Pass pass) {
+Tensor MLAttention::forward(const Tensor& x, const BatchShape& shape, Pass pass,
+                            SaveInput save_input) {
   MOE_CHECK(x.ndim() == 2 && x.dim(1) == hidden && x.dim(0) == shape.tokens(),
             "{}: expected input [{} x {}, {}], got {}", o_proj.weight.name, shape.batch,
             shape.seq, hidden, shape_str(x.shape()));
@@ -193,7 +197,7 @@ Tensor MLAttention::forward(const Tensor& x, const BatchShape& shape, Pass pass)
   rope_->ensure(S);
   Tensor positions = sequence_positions(B, S);
 
-  Tensor q = query(x, positions, pass);
+  Tensor q = query(x, positions, pass, save_input);
 
   // kv_a_proj_with_mqa as two GEMMs on its row blocks, so c_kv and k_pe come out as separate
   // contiguous tensors: the norm needs c_kv contiguous and the KV cache stores them apart.
@@ -216,7 +220,7 @@ Tensor MLAttention::forward(const Tensor& x, const BatchShape& shape, Pass pass)
 
   if (train) {
     saved_shape_ = shape;
-    saved_x_ = x;
+    if (save_input == SaveInput::Yes) saved_x_ = x;
     saved_positions_ = positions;
     saved_q_ = q;
     saved_k_pe_ = k_pe;
@@ -229,6 +233,17 @@ Tensor MLAttention::forward(const Tensor& x, const BatchShape& shape, Pass pass)
 
 Tensor MLAttention::backward(const Tensor& dy) {
   MOE_CHECK(has_saved(), "{}: backward without a training forward", o_proj.weight.name);
+  MOE_CHECK(saved_x_.defined(), "{}: the forward did not save its input: call backward(dy, x)",
+            o_proj.weight.name);
+  Tensor x = std::move(saved_x_);
+  return backward(dy, x);
+}
+
+Tensor MLAttention::backward(const Tensor& dy, const Tensor& x_in) {
+  MOE_CHECK(has_saved(), "{}: backward without a training forward", o_proj.weight.name);
+  MOE_CHECK(x_in.ndim() == 2 && x_in.dim(0) == saved_shape_.tokens() && x_in.dim(1) == hidden,
+            "{}: backward input must be [{}, {}], got {}", o_proj.weight.name,
+            saved_shape_.tokens(), hidden, shape_str(x_in.shape()));
   const BatchShape shape = saved_shape_;
   const int64_t T = shape.tokens(), B = shape.batch, S = shape.seq, H = heads;
   const int64_t dn = nope, dr = rope_dim, dv = v_dim;
@@ -326,7 +341,7 @@ Tensor MLAttention::backward(const Tensor& dy) {
   Tensor dc_kv = kv_a_layernorm.backward(kv_b_proj.backward(dkv, c_kv_normed));
   c_kv_normed.reset();
   dkv.reset();
-  Tensor dx = query_backward(dq);
+  Tensor dx = query_backward(dq, x_in);
   dq.reset();
 
   // kv_a_proj_with_mqa: dx += [dc_kv | dk_pe]·W, dW += [dc_kv | dk_pe]ᵀ·x, per row block of W.
@@ -335,7 +350,7 @@ Tensor MLAttention::backward(const Tensor& dy) {
   gemm_nn(T, D, kv_lora_rank, dc_kv.f32(), kv_lora_rank, w, D, dx.f32(), D, true);
   gemm_nn(T, D, dr, dk_pe.f32(), dr, w + kv_lora_rank * D, D, dx.f32(), D, true);
   if (kv_a_proj.grad.defined()) {
-    const float* x = saved_x_.f32();
+    const float* x = x_in.f32();
     float* g = kv_a_proj.g();
     gemm_tn(kv_lora_rank, D, T, dc_kv.f32(), kv_lora_rank, x, D, g, D, true);
     gemm_tn(dr, D, T, dk_pe.f32(), dr, x, D, g + kv_lora_rank * D, D, true);

@@ -26,8 +26,12 @@ class MLAttention {
   void share_rope(std::shared_ptr<RopeTable> table) { rope_ = std::move(table); }
   const std::shared_ptr<RopeTable>& rope() const { return rope_; }
 
-  Tensor forward(const Tensor& x /*[T, hidden]*/, const BatchShape& shape, Pass pass);
+  // save_input = SaveInput::No: x is not kept (neither here nor by the query linear); the
+  // caller rebuilds it bitwise and hands it to backward(dy, x).
+  Tensor forward(const Tensor& x /*[T, hidden]*/, const BatchShape& shape, Pass pass,
+                 SaveInput save_input = SaveInput::Yes);
   Tensor backward(const Tensor& dy);  // -> dx [T, hidden]
+  Tensor backward(const Tensor& dy, const Tensor& x);
   void collect(ParamList& out);
   bool has_saved() const { return saved_stats_.defined(); }
 
@@ -45,8 +49,9 @@ class MLAttention {
 
  private:
   int64_t qk_dim() const { return nope + rope_dim; }
-  Tensor query(const Tensor& x, const Tensor& positions, Pass pass);  // RoPE'd [T, H*(nope+rope)]
-  Tensor query_backward(const Tensor& dq);                             // dx from the query path
+  // RoPE'd [T, H*(nope+rope)]; the first linear saves x only when save_input says so.
+  Tensor query(const Tensor& x, const Tensor& positions, Pass pass, SaveInput save_input);
+  Tensor query_backward(const Tensor& dq, const Tensor& x);  // dx from the query path
   void attention_core(const Tensor& q, const Tensor& kv, const Tensor& k_pe, const Tensor& out,
                       const Tensor& stats, const BatchShape& shape) const;
 
@@ -63,7 +68,7 @@ class MLAttention {
   // q stays saved: rebuilding it (q_proj, or q_b_proj after q_a_layernorm, plus RoPE) would
   // cost ~2-2.5% of a step for H·(nope+rope) floats per token (measured on `small`).
   BatchShape saved_shape_;
-  Tensor saved_x_;          // input of kv_a_proj (shared with the query linear)
+  Tensor saved_x_;          // input of kv_a_proj (shared with the query linear), SaveInput::Yes
   Tensor saved_positions_;  // I32 [T]
   Tensor saved_q_;          // [T, H, nope+rope], q_pe rotated
   Tensor saved_k_pe_;       // [T, rope], rotated

@@ -56,7 +56,11 @@ Tensor Linear::backward(const Tensor& dy, const Tensor& input) {
 
 void Linear::backward_accumulate(const Tensor& dy, const Tensor& dx) {
   MOE_CHECK(saved_input_.defined(), "{}: backward without a training forward", weight.name);
-  Tensor x = saved_input_;
+  backward_accumulate(dy, dx, saved_input_);
+}
+
+void Linear::backward_accumulate(const Tensor& dy, const Tensor& dx, const Tensor& input) {
+  Tensor x = input;  // may be saved_input_, which accumulate_weight_grad releases
   linear_backward_input(dy.f32(), weight.w(), dx.f32(), dy.dim(0), in, out, true);
   accumulate_weight_grad(dy, x);
 }
@@ -165,9 +169,10 @@ void SwiGLU::collect(ParamList& out) {
   down.collect(out);
 }
 
-Tensor SwiGLU::forward(const Tensor& x, Pass pass) {
-  Tensor g = gate.forward(x, pass);
-  Tensor u = up.forward(x, pass);
+Tensor SwiGLU::forward(const Tensor& x, Pass pass, SaveInput save_input) {
+  const Pass linear_pass = save_input == SaveInput::Yes ? pass : Pass::Eval;
+  Tensor g = gate.forward(x, linear_pass);
+  Tensor u = up.forward(x, linear_pass);
   Tensor h = activation(g.shape());
   swiglu_forward(g.f32(), u.f32(), h.f32(), h.numel());
   if (needs_backward(pass)) {
@@ -179,6 +184,12 @@ Tensor SwiGLU::forward(const Tensor& x, Pass pass) {
 }
 
 Tensor SwiGLU::backward(const Tensor& dy) {
+  MOE_CHECK(gate.has_saved(), "{}: backward without a training forward (or after one that "
+            "did not save its input)", gate.weight.name);
+  return backward(dy, Tensor());  // undefined x: gate and up use the input they saved
+}
+
+Tensor SwiGLU::backward(const Tensor& dy, const Tensor& x) {
   MOE_CHECK(saved_gate_.defined(), "{}: backward without a training forward", gate.weight.name);
   Tensor dh;
   {
@@ -189,8 +200,11 @@ Tensor SwiGLU::backward(const Tensor& dy) {
   // dg and du overwrite the saved pre-activations: they are not needed afterwards.
   swiglu_backward(saved_gate_.f32(), saved_up_.f32(), dh.f32(), saved_gate_.f32(),
                   saved_up_.f32(), dh.numel());
-  Tensor dx = gate.backward(saved_gate_);
-  up.backward_accumulate(saved_up_, dx);
+  Tensor dx = x.defined() ? gate.backward(saved_gate_, x) : gate.backward(saved_gate_);
+  if (x.defined())
+    up.backward_accumulate(saved_up_, dx, x);
+  else
+    up.backward_accumulate(saved_up_, dx);
   saved_gate_.reset();
   saved_up_.reset();
   return dx;

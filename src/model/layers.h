@@ -11,6 +11,11 @@
 
 namespace moe {
 
+// Whether a layer keeps its input for backward. SaveInput::No is for callers that can rebuild
+// the input bitwise in backward (an RMSNorm output, from the norm's own saved input and rstd)
+// and hand it to the layer's backward(dy, input, ...) instead of keeping it alive all step.
+enum class SaveInput { Yes, No };
+
 class Linear {
  public:
   void init(const std::string& name, int64_t in, int64_t out);
@@ -18,6 +23,8 @@ class Linear {
   Tensor backward(const Tensor& dy);
   // dx += dy·W, for layers whose input feeds several linears.
   void backward_accumulate(const Tensor& dy, const Tensor& dx);
+  // The same with the input handed back by the caller (see backward(dy, input)).
+  void backward_accumulate(const Tensor& dy, const Tensor& dx, const Tensor& input);
   // Recompute instead of save: a caller that can rebuild the input cheaply in backward runs
   // forward(x, Pass::Eval) (nothing saved) and hands the rebuilt input to this.
   Tensor backward(const Tensor& dy, const Tensor& input);
@@ -68,15 +75,18 @@ class Embedding {
 };
 
 // down(silu(gate(x)) * up(x)): the dense FFN and the shared experts.
-// Saved for backward: x (by gate and up, one shared tensor), g and u. down's input
+// Saved for backward: x (by gate and up, one shared tensor; not with SaveInput::No, where the
+// caller rebuilds x and hands it to backward(dy, x)), g and u. down's input
 // h = silu(g)·u is not kept: backward recomputes it from g and u (one elementwise pass over
 // [T, hidden]) instead of holding hidden more floats per token across the whole step.
 class SwiGLU {
  public:
   // prefix like "model.layers.0.mlp." (keys gate_proj/up_proj/down_proj.weight follow).
   void init(const std::string& prefix, int64_t dim, int64_t hidden);
-  Tensor forward(const Tensor& x, Pass pass);
+  Tensor forward(const Tensor& x, Pass pass, SaveInput save_input = SaveInput::Yes);
   Tensor backward(const Tensor& dy);
+  // After a SaveInput::No forward: x is the forward's input, rebuilt bitwise by the caller.
+  Tensor backward(const Tensor& dy, const Tensor& x);
   void collect(ParamList& out);
   bool has_saved() const { return saved_gate_.defined(); }
 

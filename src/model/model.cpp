@@ -40,20 +40,36 @@ bool Block::has_saved() const {
 
 Tensor Block::forward(const Tensor& x, const BatchShape& shape, Pass pass) {
   // Residual sums are formed in the sub-layer's fresh output; x itself stays intact because
-  // the norm saved it for backward.
-  Tensor h = attention.forward(input_norm.forward(x, pass), shape, pass);
+  // the norm saved it for backward. The norms' outputs are not kept for backward by the
+  // sub-layers (SaveInput::No): backward rebuilds them from what the norms saved.
+  Tensor h = attention.forward(input_norm.forward(x, pass), shape, pass, SaveInput::No);
   add_inplace(h.f32(), x.f32(), h.numel());
   Tensor normed = post_attention_norm.forward(h, pass);
-  Tensor out = mlp ? mlp->forward(normed, pass) : moe->forward(normed, shape, pass);
+  Tensor out = mlp ? mlp->forward(normed, pass, SaveInput::No)
+                   : moe->forward(normed, shape, pass, SaveInput::No);
+  normed.reset();
   add_inplace(out.f32(), h.f32(), out.numel());
   return out;
 }
 
 Tensor Block::backward(const Tensor& dy, float aux_grad_scale) {
-  Tensor d_ffn = mlp ? mlp->backward(dy) : moe->backward(dy, aux_grad_scale);
+  // Each norm's output, rebuilt bitwise from its saved input (one elementwise pass), lives only
+  // while the sub-layer it feeds runs its backward.
+  Tensor d_ffn;
+  {
+    const Tensor normed = post_attention_norm.recompute_output();
+    d_ffn = mlp ? mlp->backward(dy, normed) : moe->backward(dy, normed, aux_grad_scale);
+  }
   Tensor dh = post_attention_norm.backward(d_ffn);
+  d_ffn.reset();
   add_inplace(dh.f32(), dy.f32(), dh.numel());
-  Tensor dx = input_norm.backward(attention.backward(dh));
+  Tensor d_attn;
+  {
+    const Tensor normed = input_norm.recompute_output();
+    d_attn = attention.backward(dh, normed);
+  }
+  Tensor dx = input_norm.backward(d_attn);
+  d_attn.reset();
   add_inplace(dx.f32(), dh.f32(), dx.numel());
   return dx;
 }

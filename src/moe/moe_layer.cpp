@@ -82,7 +82,8 @@ bool MoELayer::has_saved() const {
   return saved_.x.defined() || saved_.handle.live() || (shared_ && shared_->has_saved());
 }
 
-Tensor MoELayer::forward(const Tensor& x, const BatchShape& shape, Pass pass) {
+Tensor MoELayer::forward(const Tensor& x, const BatchShape& shape, Pass pass,
+                         SaveInput save_input) {
   MOE_CHECK(x.ndim() == 2 && x.dim(1) == dim_, "{}: expected input [T, {}], got {}",
             gate_weight.name, dim_, shape_str(x.shape()));
   const int64_t T = x.dim(0), E = router_.num_experts, H = hidden_;
@@ -139,12 +140,12 @@ Tensor MoELayer::forward(const Tensor& x, const BatchShape& shape, Pass pass) {
   o.reset();
 
   if (shared_) {
-    Tensor ys = shared_->forward(x, pass);
+    Tensor ys = shared_->forward(x, pass, save_input);
     add_inplace(y.f32(), ys.f32(), y.numel());
   }
 
   if (train) {
-    saved_.x = x;
+    if (save_input == SaveInput::Yes) saved_.x = x;
     saved_.routing = std::move(routing);
     saved_.rows = std::move(d.rows);
     saved_.g = std::move(g);
@@ -159,9 +160,19 @@ Tensor MoELayer::forward(const Tensor& x, const BatchShape& shape, Pass pass) {
 }
 
 Tensor MoELayer::backward(const Tensor& dy, float aux_grad_scale) {
-  MOE_CHECK(saved_.x.defined() && saved_.handle.live(), "{}: backward without a training forward",
+  MOE_CHECK(saved_.handle.live(), "{}: backward without a training forward", gate_weight.name);
+  MOE_CHECK(saved_.x.defined(), "{}: the forward did not save its input: call backward(dy, x)",
             gate_weight.name);
-  const int64_t T = saved_.x.dim(0), E = router_.num_experts, H = hidden_, D = dim_;
+  const Tensor x = saved_.x;
+  return backward(dy, x, aux_grad_scale);
+}
+
+Tensor MoELayer::backward(const Tensor& dy, const Tensor& x_in, float aux_grad_scale) {
+  MOE_CHECK(saved_.handle.live(), "{}: backward without a training forward", gate_weight.name);
+  const int64_t T = saved_.shape.tokens(), E = router_.num_experts, H = hidden_, D = dim_;
+  MOE_CHECK(x_in.ndim() == 2 && x_in.dim(0) == T && x_in.dim(1) == D,
+            "{}: backward input must be [{}, {}], got {}", gate_weight.name, T, D,
+            shape_str(x_in.shape()));
   MOE_CHECK(dy.ndim() == 2 && dy.dim(0) == T && dy.dim(1) == D, "{}: expected dy [{}, {}], got {}",
             gate_weight.name, T, D, shape_str(dy.shape()));
   Handle& handle = saved_.handle;
@@ -171,7 +182,10 @@ Tensor MoELayer::backward(const Tensor& dy, float aux_grad_scale) {
   // Shared experts first: their saved g, u (2·hidden floats per token) are released before the
   // routed experts' [R, dim] + [R, hidden] gradient buffers exist, which lowers the step's peak
   // (this backward runs while nearly every activation of the model is still saved).
-  Tensor dx_shared = shared_ ? shared_->backward(dy) : Tensor();
+  // The shared experts saved x themselves exactly when this layer did.
+  Tensor dx_shared =
+      shared_ ? (saved_.x.defined() ? shared_->backward(dy) : shared_->backward(dy, x_in))
+              : Tensor();
 
   Tensor d_out = dispatcher_->combine_backward(dy, handle);
   Tensor d_h = activation({R, H});
@@ -212,7 +226,7 @@ Tensor MoELayer::backward(const Tensor& dy, float aux_grad_scale) {
   const float* du = saved_.u.f32();
   // Weight gradients first, so the (re-gathered) rows are gone before d_rows exists.
   if (weight_grads) {
-    Tensor rows = saved_.rows.defined() ? std::move(saved_.rows) : dispatcher_->regather_rows(saved_.x, handle);
+    Tensor rows = saved_.rows.defined() ? std::move(saved_.rows) : dispatcher_->regather_rows(x_in, handle);
     experts_->gate_up_backward_weight(seg, dg, du, rows.f32());
   }
   saved_.rows.reset();
@@ -228,7 +242,7 @@ Tensor MoELayer::backward(const Tensor& dy, float aux_grad_scale) {
   Tensor d_logits =
       route_backward(router_, saved_.routing, d_weights, saved_.has_aux ? &saved_.aux : nullptr,
                      saved_.shape, aux_alpha_, aux_grad_scale);
-  const float* x = saved_.x.f32();
+  const float* x = x_in.f32();
   if (gate_weight.grad.defined())
     gemm_tn(E, D, T, d_logits.f32(), E, x, D, gate_weight.g(), D, true);
   gemm_nn(T, D, E, d_logits.f32(), E, gate_weight.w(), D, dx.f32(), D, true);

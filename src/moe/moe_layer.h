@@ -10,7 +10,7 @@
 // transpose, and dw = <dh_scaled, h> is a dot over the expert width that needs no saved
 // expert output.
 //
-// Saved for backward (Train only): x, router scores/ids/weights, g and u, the per-row weights,
+// Saved for backward (Train only): x (unless the caller rebuilds it: SaveInput::No), router scores/ids/weights, g and u, the per-row weights,
 // the aux-loss f, and the dispatch Handle (MemCategory::Routing). Not saved: h (recomputed from
 // g and u), and, when the dispatcher can (Dispatcher::can_regather_rows), the dispatched rows: backward re-gathers them from x
 // through the Handle (one row copy instead of k·dim floats per token held all step); other
@@ -35,9 +35,13 @@ class MoELayer {
   // for the dispatcher's local experts, shared_experts.{...}.weight when n_shared_experts > 0.
   void init(const std::string& prefix, const ModelConfig& cfg, Dispatcher& dispatcher);
   // x [T, dim] with T = shape.tokens().
-  Tensor forward(const Tensor& x, const BatchShape& shape, Pass pass);
+  // save_input = SaveInput::No: x is kept neither here nor by the shared experts; the caller
+  // rebuilds it bitwise and hands it to backward(dy, x, ...).
+  Tensor forward(const Tensor& x, const BatchShape& shape, Pass pass,
+                 SaveInput save_input = SaveInput::Yes);
   // aux_grad_scale = d(total loss)/d(aux loss) (1 normally; 1/n for gradient accumulation).
   Tensor backward(const Tensor& dy, float aux_grad_scale = 1.0f);
+  Tensor backward(const Tensor& dy, const Tensor& x, float aux_grad_scale);
   void collect(ParamList& out);
   // Router and shared grads as usual; expert grads as views of one contiguous buffer.
   void allocate_grads();
