@@ -33,6 +33,7 @@
 #include "dist/communicator.h"
 #include "moe/dispatcher.h"
 #include "moe/moe_layer.h"
+#include "moe_test_util.h"
 #include "test_util.h"
 
 using namespace moe;
@@ -75,15 +76,7 @@ std::map<std::string, Param*> by_name(MoELayer& m) {
 // Same values on every rank: one seed, drawn in the full layer's parameter order.
 void randomize_full(MoELayer& m, uint64_t seed) {
   Rng rng(seed);
-  ParamList ps;
-  m.collect(ps);
-  for (Param* p : ps) {
-    const int64_t in = p->value.dim(-1);
-    float s = 1.0f / std::sqrt(static_cast<float>(in));
-    if (p == &m.gate_weight) s = 2.0f / std::sqrt(static_cast<float>(in));
-    if (p == &m.gate_bias) s = 0.05f;
-    fill_random(p->value, rng, s);
-  }
+  randomize_moe(m, rng);
 }
 
 struct Pair {

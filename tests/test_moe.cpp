@@ -13,6 +13,7 @@
 #include "moe/dispatcher.h"
 #include "moe/moe_layer.h"
 #include "moe/router.h"
+#include "moe_test_util.h"
 #include "test_util.h"
 
 using namespace moe;
@@ -206,20 +207,6 @@ std::vector<double> fd_grad(const std::function<double()>& loss, std::vector<dou
   return g;
 }
 
-// Random parameters: gate rows scaled so the routing is far from uniform, bias small but
-// large enough to change some selections.
-void randomize(MoELayer& m, Rng& rng) {
-  ParamList ps;
-  m.collect(ps);
-  for (Param* p : ps) {
-    const int64_t in = p->value.dim(-1);
-    float s = 1.0f / std::sqrt(static_cast<float>(in));
-    if (p == &m.gate_weight) s = 2.0f / std::sqrt(static_cast<float>(in));
-    if (p == &m.gate_bias) s = 0.05f;
-    fill_random(p->value, rng, s);
-  }
-}
-
 struct Built {
   LocalDispatcher disp;
   MoELayer layer;
@@ -229,7 +216,7 @@ std::unique_ptr<Built> build(const Opt& o, uint64_t seed) {
   auto b = std::make_unique<Built>();
   b->layer.init("model.layers.1.mlp.", make_cfg(o), b->disp);
   Rng rng(seed);
-  randomize(b->layer, rng);
+  randomize_moe(b->layer, rng);
   return b;
 }
 

@@ -69,21 +69,13 @@ detail::EpSendSide AllToAllDispatcher::send_side(const Handle& handle, const cha
 
 Dispatched AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& ids, const Tensor& weights,
                                         int64_t num_experts) {
-  MOE_CHECK(
-      x.ndim() == 2 && ids.ndim() == 2 && ids.dim(0) == x.dim(0) && weights.shape() == ids.shape(),
-      "dispatch: expected x [T, dim], ids and weights [T, k], got {}, {}, {}", shape_str(x.shape()),
-      shape_str(ids.shape()), shape_str(weights.shape()));
+  check_dispatch_inputs(x, ids, weights, num_experts);
   const int64_t T = x.dim(0), dim = x.dim(1), k = ids.dim(1), slots = T * k;
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  MOE_CHECK(slots < kMax && T < kMax && k < kMax,
-            "dispatch: {} slots exceed the 32-bit row index", slots);
   const int e = comm_->size();
   const ExpertRange local = local_experts(num_experts);
   const int64_t per = local.count, E = num_experts;
   const int32_t* id = ids.i32();
-  for (int64_t s = 0; s < slots; ++s)
-    MOE_CHECK(id[s] >= 0 && id[s] < E, "dispatch: expert id {} at slot {} is outside [0, {})",
-              id[s], s, E);
 
   // 1. Send order: stable counting sort by global expert (= destination rank, then expert).
   Tensor side = Tensor::empty({2 + 2 * static_cast<int64_t>(e) + slots}, DType::I32,

@@ -61,25 +61,28 @@ void LocalDispatcher::check(const Handle& handle, const char* op) const {
   MOE_CHECK(handle.owner_ == this, "{}: the dispatch handle belongs to another dispatcher", op);
 }
 
-Dispatched LocalDispatcher::dispatch(const Tensor& x, const Tensor& ids, const Tensor& weights,
-                                     int64_t num_experts) {
+void Dispatcher::check_dispatch_inputs(const Tensor& x, const Tensor& ids, const Tensor& weights,
+                                       int64_t num_experts) {
   MOE_CHECK(
       x.ndim() == 2 && ids.ndim() == 2 && ids.dim(0) == x.dim(0) && weights.shape() == ids.shape(),
       "dispatch: expected x [T, dim], ids and weights [T, k], got {}, {}, {}", shape_str(x.shape()),
       shape_str(ids.shape()), shape_str(weights.shape()));
-  const int64_t T = x.dim(0), dim = x.dim(1), k = ids.dim(1), slots = T * k;
+  const int64_t slots = ids.numel();
   MOE_CHECK(slots < std::numeric_limits<int32_t>::max(),
-            "dispatch: {} slots exceed the 32-bit "
-            "row index",
-            slots);
-  const ExpertRange local = local_experts(num_experts);
-  const int64_t E = local.count;
+            "dispatch: {} slots exceed the 32-bit row index", slots);
   const int32_t* id = ids.i32();
   for (int64_t s = 0; s < slots; ++s)
     MOE_CHECK(id[s] >= 0 && id[s] < num_experts,
-              "dispatch: expert id {} at slot {} is outside "
-              "[0, {})",
-              id[s], s, num_experts);
+              "dispatch: expert id {} at slot {} is outside [0, {})", id[s], s, num_experts);
+}
+
+Dispatched LocalDispatcher::dispatch(const Tensor& x, const Tensor& ids, const Tensor& weights,
+                                     int64_t num_experts) {
+  check_dispatch_inputs(x, ids, weights, num_experts);
+  const int64_t T = x.dim(0), dim = x.dim(1), k = ids.dim(1), slots = T * k;
+  const ExpertRange local = local_experts(num_experts);
+  const int64_t E = local.count;
+  const int32_t* id = ids.i32();
 
   Dispatched out;
   Handle& h = out.handle;

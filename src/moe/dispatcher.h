@@ -119,6 +119,10 @@ class Dispatcher {
   }
   static const Tensor& extra_state(const Handle& handle) { return handle.extra_; }
   static const Dispatcher* owner_of(const Handle& handle) { return handle.owner_; }
+  // The input contract of dispatch(): x [T, dim], ids and weights [T, k], ids in
+  // [0, num_experts), T·k rows addressable by int32.
+  static void check_dispatch_inputs(const Tensor& x, const Tensor& ids, const Tensor& weights,
+                                    int64_t num_experts);
 };
 
 // Single process: every expert is local, R = T·k.
