@@ -34,14 +34,13 @@
 #include "moe/dispatcher.h"
 #include "moe/moe_layer.h"
 #include "moe_test_util.h"
+#include "mpi_test_main.h"
 #include "test_util.h"
 
 using namespace moe;
 using namespace moe::testing;
 
 namespace {
-
-std::shared_ptr<Communicator> g_world;
 
 struct Opt {
   int64_t dim = 16, hidden = 8, experts = 16, top_k = 3, shared = 1, seq = 5;
@@ -109,15 +108,6 @@ std::unique_ptr<Pair> build(const Opt& o, uint64_t seed,
 bool bitwise_equal(const float* a, const float* b, int64_t n) {
   return n == 0 || std::memcmp(a, b, sizeof(float) * static_cast<size_t>(n)) == 0;
 }
-
-// Every rank agrees whether all ranks passed (so a failure on one rank shows on all).
-bool all_ranks(bool ok) {
-  int64_t bad = ok ? 0 : 1;
-  g_world->all_reduce_sum(&bad, 1);
-  return bad == 0;
-}
-
-int64_t routing_bytes() { return MemoryTracker::instance().current(MemCategory::Routing); }
 
 struct Batches {
   std::vector<int64_t> batch;  // sequences per rank
@@ -367,15 +357,4 @@ TEST(ExpertParallel, BackwardAfterEvalForwardIsAnErrorNotAHang) {
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 
-int main(int argc, char** argv) {
-  std::optional<MpiRuntime> mpi;
-  if (MpiRuntime::launched_by_mpirun()) mpi.emplace(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  g_world = make_world_communicator();
-  std::printf("rank %d of %d (%s)\n", g_world->rank(), g_world->size(), g_world->name().c_str());
-  const int rc = RUN_ALL_TESTS();
-  int64_t failed = rc != 0;
-  g_world->all_reduce_sum(&failed, 1);
-  g_world.reset();
-  return failed ? 1 : 0;
-}
+int main(int argc, char** argv) { return moe::testing::run_mpi_tests(argc, argv); }

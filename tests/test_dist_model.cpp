@@ -28,27 +28,13 @@
 #include "dist/ep_training.h"
 #include "io/model_spec.h"
 #include "model/model.h"
+#include "mpi_test_main.h"
+#include "test_util.h"
 
 using namespace moe;
+using namespace moe::testing;
 
 namespace {
-
-std::shared_ptr<Communicator> g_world;
-
-int64_t routing_bytes() { return MemoryTracker::instance().current(MemCategory::Routing); }
-
-bool all_ranks(bool ok) {
-  int64_t bad = ok ? 0 : 1;
-  g_world->all_reduce_sum(&bad, 1);
-  return bad == 0;
-}
-
-Tensor random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
-  Rng rng(seed);
-  Tensor t = Tensor::empty({n}, DType::I32, MemCategory::Activations);
-  for (int64_t i = 0; i < n; ++i) t.i32()[i] = static_cast<int32_t>(rng.next_u64() % vocab);
-  return t;
-}
 
 Tensor slice_rows(const Tensor& all, int64_t first, int64_t n) {
   Tensor t = Tensor::empty({n}, DType::I32, MemCategory::Activations);
@@ -179,15 +165,4 @@ TEST(DistModel, TrainStepMatchesSingleProcessOnUnionBatch) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  std::optional<MpiRuntime> mpi;
-  if (MpiRuntime::launched_by_mpirun()) mpi.emplace(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  g_world = make_world_communicator();
-  std::printf("rank %d of %d (%s)\n", g_world->rank(), g_world->size(), g_world->name().c_str());
-  const int rc = RUN_ALL_TESTS();
-  int64_t failed = rc != 0;
-  g_world->all_reduce_sum(&failed, 1);
-  g_world.reset();
-  return failed ? 1 : 0;
-}
+int main(int argc, char** argv) { return moe::testing::run_mpi_tests(argc, argv); }

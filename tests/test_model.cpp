@@ -20,13 +20,6 @@ namespace {
 
 const std::filesystem::path kTmp = std::filesystem::path(MOE_BINARY_DIR) / "test_model_tmp";
 
-Tensor random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
-  Rng rng(seed);
-  Tensor t = Tensor::empty({n}, DType::I32, MemCategory::Activations);
-  for (int64_t i = 0; i < n; ++i) t.i32()[i] = static_cast<int32_t>(rng.next_u64() % vocab);
-  return t;
-}
-
 ModelConfig debug_config() {
   ModelConfig c = resolve_model_config("debug");
   c.aux_loss_alpha = 0.01;  // exercise the aux-loss path too

@@ -30,6 +30,14 @@ inline void fill_random(const Tensor& t, Rng& rng, float scale = 1.0f) {
   for (int64_t i = 0; i < t.numel(); ++i) p[i] = scale * rng.normal();
 }
 
+// Token ids uniform in [0, vocab), I32 [n].
+inline Tensor random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  Rng rng(seed);
+  Tensor t = Tensor::empty({n}, DType::I32, MemCategory::Activations);
+  for (int64_t i = 0; i < n; ++i) t.i32()[i] = static_cast<int32_t>(rng.next_u64() % vocab);
+  return t;
+}
+
 // ||a - b|| / max(||b||, floor): the norm-wise relative error used by every comparison.
 template <typename A, typename B>
 double rel_error(const A* a, const B* b, int64_t n, double floor = 1e-30) {

@@ -1,0 +1,41 @@
+#pragma once
+// Shared harness of the MPI test programs: the world communicator, cross-rank agreement, and a
+// main that works under mpirun or as one plain process.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <memory>
+#include <optional>
+
+#include "core/memory.h"
+#include "dist/communicator.h"
+
+namespace moe::testing {
+
+inline std::shared_ptr<Communicator> g_world;
+
+// Every rank agrees whether all ranks passed (so a failure on one rank shows on all).
+inline bool all_ranks(bool ok) {
+  int64_t bad = ok ? 0 : 1;
+  g_world->all_reduce_sum(&bad, 1);
+  return bad == 0;
+}
+
+inline int64_t routing_bytes() { return MemoryTracker::instance().current(MemCategory::Routing); }
+
+// The body of main(): starts MPI when launched by mpirun, runs the tests, and exits non-zero on
+// every rank when any rank failed.
+inline int run_mpi_tests(int argc, char** argv) {
+  std::optional<MpiRuntime> mpi;
+  if (MpiRuntime::launched_by_mpirun()) mpi.emplace(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  g_world = make_world_communicator();
+  std::printf("rank %d of %d (%s)\n", g_world->rank(), g_world->size(), g_world->name().c_str());
+  const int rc = RUN_ALL_TESTS();
+  int64_t failed = rc != 0;
+  g_world->all_reduce_sum(&failed, 1);
+  g_world.reset();
+  return failed ? 1 : 0;
+}
+
+}  // namespace moe::testing
