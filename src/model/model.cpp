@@ -81,8 +81,12 @@ DeepSeekModel::DeepSeekModel(const ModelConfig& cfg, std::shared_ptr<Dispatcher>
   cfg_.validate("model config");
   if (!dispatcher_) dispatcher_ = std::make_shared<LocalDispatcher>();
   embed_.init("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size);
-  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+  // The RoPE table depends only on the config: one for every layer, grown on first use.
+  auto rope = std::make_shared<RopeTable>(cfg_, 0);
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     blocks_.push_back(std::make_unique<Block>(cfg_, l, *dispatcher_));
+    blocks_.back()->attention.share_rope(rope);
+  }
   final_norm_.init("model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps);
   head_.init("lm_head.weight", cfg.hidden_size, cfg.vocab_size);
   embed_.collect(params_);

@@ -58,7 +58,6 @@ class Handle {
   // row_of_slot()[s]; row r came from slot slot_of_row()[r].
   const int32_t* row_of_slot() const { return state_.i32() + (experts_.count + 1); }
   const int32_t* slot_of_row() const { return row_of_slot() + tokens_ * top_k_; }
-  int64_t state_bytes() const { return state_.nbytes() + extra_.nbytes(); }
 
  private:
   friend class Dispatcher;

@@ -81,14 +81,4 @@ double clip_grad_norm(const ParamList& params, double max_norm) {
   return norm;
 }
 
-bool grads_finite(const ParamList& params) {
-  for (Param* p : params) {
-    if (!p->grad.defined()) continue;
-    const float* g = p->g();
-    for (int64_t j = 0; j < p->grad.numel(); ++j)
-      if (!std::isfinite(g[j])) return false;
-  }
-  return true;
-}
-
 }  // namespace moe

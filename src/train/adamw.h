@@ -44,7 +44,5 @@ double grad_norm(const ParamList& params);
 float clip_coefficient(double norm, double max_norm);
 // Scales gradients so their global norm is at most max_norm; returns the norm before clipping.
 double clip_grad_norm(const ParamList& params, double max_norm);
-// True when any gradient holds a NaN or an infinity.
-bool grads_finite(const ParamList& params);
 
 }  // namespace moe
