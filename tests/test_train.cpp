@@ -385,6 +385,45 @@ TEST(Checkpoint, KilledWriteLeavesThePreviousCheckpointLoadable) {
   EXPECT_TRUE(fs::exists(ckpts / "step_6" / kTrainerStateFile));
 }
 
+TEST(Train, ModelWeightsStartTheRunFromASavedModel) {
+  const fs::path dir = scratch_dir("test_train_tmp");
+  const std::vector<ConfigOverride> o = {{"data.shuffle", "false"}};
+  // run.seed picks the initial weights (and the shuffle, off here): a seed-99 run...
+  TrainRequest seeded;
+  seeded.config = tiny_config(dir, 3, o);
+  seeded.config.run.seed = 99;
+  seeded.config.run.out_dir = (dir / "seeded").string();
+  const TrainResult a = train(seeded);
+  // ...is repeated bit for bit by a seed-7 run that starts from seed-99 weights on disk.
+  const ModelConfig mc = resolve_train_model(seeded.config, 264, 256);
+  DeepSeekModel init(mc);
+  init.init_weights(99);
+  save_model(dir / "init", mc, init.params());
+  TrainRequest loaded;
+  loaded.config = tiny_config(dir, 3, o);
+  loaded.config.run.out_dir = (dir / "loaded").string();
+  loaded.config.model.weights = (dir / "init").string();
+  const TrainResult b = train(loaded);
+  EXPECT_TRUE(same_bits(a.losses, b.losses));
+
+  loaded.config.model.weights = (dir / "nowhere").string();
+  loaded.config.run.out_dir = (dir / "loaded2").string();
+  const std::string e = error_of([&] { train(loaded); });
+  EXPECT_NE(e.find("model.weights: "), std::string::npos) << e;
+  EXPECT_NE(e.find("not a model directory"), std::string::npos) << e;
+}
+
+TEST(Train, ExpertParallelSizeMustDivideTheRanks) {
+  const fs::path dir = scratch_dir("test_train_tmp");
+  TrainRequest req;
+  req.config = tiny_config(dir, 2, {{"parallel.ep", "2"}});
+  const std::string e = error_of([&] { train(req); });
+  EXPECT_NE(e.find("parallel.ep = 2: the expert-parallel size must divide the number of ranks (1)"),
+            std::string::npos) << e;
+  EXPECT_NE(error_of([&] { tiny_config(dir, 2, {{"parallel.ep", "0"}}); }).find("parallel.ep"),
+            std::string::npos);
+}
+
 TEST(Train, FreshRunRefusesAnOutDirWithCheckpoints) {
   const fs::path dir = scratch_dir("test_train_tmp");
   TrainRequest req;

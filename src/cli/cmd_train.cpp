@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "dist/communicator.h"
 #include "train/checkpoint_state.h"
 #include "train/trainer.h"
 
@@ -18,6 +19,7 @@ namespace fs = std::filesystem;
 
 struct TrainArgs {
   std::string config_file;
+  int64_t ep = 0;  // 0: not given
   std::string resume;  // "" with resume_given: the latest checkpoint of the out dir
   bool resume_given = false;
 };
@@ -33,8 +35,11 @@ fs::path resolve_checkpoint(const fs::path& path) {
 }
 
 void run_train(const TrainArgs& a, const std::vector<std::string>& extras) {
-  const std::vector<ConfigOverride> overrides = parse_override_args(extras);
+  std::vector<ConfigOverride> overrides = parse_override_args(extras);
+  if (a.ep > 0) overrides.push_back({"parallel.ep", std::to_string(a.ep)});
   TrainRequest req;
+  // Under mpirun every rank runs this same command; alone, a one-rank world without MPI.
+  req.world = make_world_communicator();
   if (a.resume_given && !a.resume.empty()) {
     req.resume_from = resolve_checkpoint(a.resume);
     // Without --config the run continues under the configuration it was saved with.
@@ -68,11 +73,16 @@ void add_train_command(CLI::App& app) {
                   "continue a run: a checkpoint directory, a run directory, or nothing for the "
                   "latest checkpoint in run.out_dir")
       ->expected(0, 1);
+  cmd->add_option("--ep", args->ep,
+                  "expert-parallel size under mpirun (same as --parallel.ep): must divide the "
+                  "number of ranks and of routed experts")
+      ->check(CLI::PositiveNumber);
   cmd->allow_extras();
   cmd->footer(
       "Config overrides: --section.key value (or --section.key=value), e.g. --optimizer.lr 3e-4 "
       "--schedule.steps 200 --model.num_hidden_layers 4. Sections: model, data, optimizer, "
-      "schedule, checkpoint, logging, run.");
+      "schedule, checkpoint, logging, run, parallel. Expert parallelism: mpirun -np 4 moe train "
+      "--config c.toml --ep 2 (data.batch_size counts the sequences of all ranks together).");
   cmd->callback([args, cmd] {
     args->resume_given = cmd->count("--resume") > 0;
     run_train(*args, cmd->remaining());

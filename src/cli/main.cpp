@@ -2,14 +2,33 @@
 #include <fmt/format.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
+
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "dist/communicator.h"
+
+namespace {
+
+// All cores, shared between the ranks mpirun starts on this machine.
+int default_threads() {
+  int local_ranks = 1;
+  if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local_ranks = std::max(1, std::atoi(v));
+  return std::max(1, omp_get_num_procs() / local_ranks);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
+  // Before any thread exists (MPI_THREAD_FUNNELED); only under mpirun, so one process needs no MPI.
+  std::optional<moe::MpiRuntime> mpi;
+  if (moe::MpiRuntime::launched_by_mpirun()) mpi.emplace(&argc, &argv);
   CLI::App app{"moe: pretrain, fine-tune and run DeepSeek-style Mixture-of-Experts models"};
   app.require_subcommand(1);
-  int threads = omp_get_num_procs();
+  int threads = default_threads();
   app.add_option("--threads", threads, "worker threads (results are identical for any count)")
       ->check(CLI::PositiveNumber);
   app.parse_complete_callback([&] { moe::set_num_threads(threads); });
@@ -20,6 +39,18 @@ int main(int argc, char** argv) {
   moe::cli::add_report_command(app);
   moe::cli::add_tokenizer_command(app);
   try {
+    if (mpi) {
+      // An error on one rank must end all of them (the others may wait in a collective), with
+      // the cause printed: run_or_abort does both.
+      return moe::run_or_abort([&] {
+        try {
+          app.parse(argc, argv);
+        } catch (const CLI::ParseError& e) {
+          return app.exit(e);
+        }
+        return 0;
+      });
+    }
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

@@ -1,9 +1,49 @@
 #include "dist/ep_training.h"
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "core/error.h"
+#include "dist/all_to_all_dispatcher.h"
+#include "train/adamw.h"
+
 namespace moe {
+
+ExpertParallelGroups make_expert_parallel_groups(std::shared_ptr<Communicator> world,
+                                                 int64_t ep_size, int64_t num_experts,
+                                                 const std::string& field) {
+  const int w = world->size(), rank = world->rank();
+  MOE_CHECK(ep_size >= 1 && w % ep_size == 0,
+            "{} = {}: the expert-parallel size must divide the number of ranks ({})", field,
+            ep_size, w);
+  MOE_CHECK(ep_size == 1 || (num_experts > 0 && num_experts % ep_size == 0),
+            "{} = {}: the expert-parallel size must divide the number of routed experts ({})",
+            field, ep_size, num_experts);
+  const int e = static_cast<int>(ep_size);
+  ExpertParallelGroups g;
+  g.ep_size = e;
+  g.ep_rank = rank % e;
+  g.replica_rank = rank / e;
+  // Two collective splits, in the same order on every rank.
+  g.ep_group = world->split(rank / e, rank);
+  g.replicas = world->split(rank % e, rank / e);
+  g.world = std::move(world);
+  return g;
+}
+
+std::shared_ptr<Dispatcher> make_dispatcher(const ExpertParallelGroups& groups) {
+  if (groups.ep_size == 1) return std::make_shared<LocalDispatcher>();
+  return std::make_shared<AllToAllDispatcher>(groups.ep_group);
+}
+
+double global_grad_norm(const ParamList& params, const ExpertParallelGroups& groups) {
+  ParamList shared, experts;
+  for (Param* p : params) (is_routed_expert_param(p->name) ? experts : shared).push_back(p);
+  double expert_sq = grad_sum_squares(experts);
+  groups.ep_group->all_reduce_sum(&expert_sq, 1);
+  return std::sqrt(grad_sum_squares(shared) + expert_sq);
+}
 
 bool is_routed_expert_param(const std::string& name) {
   return name.find("mlp.experts.") != std::string::npos;

@@ -40,6 +40,40 @@ std::set<std::string> indexed_shards(const fs::path& index) {
   return shards;
 }
 
+const SafetensorsMetadata kWeightsMetadata{{"format", "pt"}};
+
+std::string shard_file_name(int64_t shard, int64_t shards) {
+  return fmt::format("model-{:05d}-of-{:05d}.safetensors", shard, shards);
+}
+
+ModelConfig config_as_saved(const fs::path& dir, const ModelConfig& cfg, DType dtype) {
+  MOE_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+            "save_model: weights are saved as F32 or BF16, not {}", dtype_name(dtype));
+  ModelConfig written = cfg;
+  written.torch_dtype = dtype == DType::BF16 ? "bfloat16" : "float32";
+  written.validate((dir / kHfConfigFile).string());
+  return written;
+}
+
+void create_model_dir(const fs::path& dir) {
+  std::error_code ec;
+  const bool created = fs::create_directories(dir, ec);
+  MOE_CHECK(!ec && fs::is_directory(dir), "{}: cannot create the model directory: {}",
+            dir.string(), ec ? ec.message() : "a file of that name exists");
+  if (created) {
+    fs::path absolute = fs::absolute(dir).lexically_normal();
+    if (!absolute.has_filename()) absolute = absolute.parent_path();  // "dir/" names dir itself
+    fsync_directory(absolute.parent_path());
+  }
+}
+
+void write_index(const fs::path& index_path, const nlohmann::json& weight_map,
+                 int64_t total_bytes) {
+  const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}},
+                                {"weight_map", weight_map}};
+  write_file_atomic(index_path, index.dump(2) + "\n");
+}
+
 void remove_file(const fs::path& path) {
   std::error_code ec;
   fs::remove(path, ec);
@@ -96,14 +130,10 @@ void load_weights(const fs::path& model_dir, const ParamList& params) {
 
 void save_model(const fs::path& dir, const ModelConfig& cfg, const ParamList& params, DType dtype,
                 int64_t max_shard_bytes) {
-  MOE_CHECK(dtype == DType::F32 || dtype == DType::BF16,
-            "save_model: weights are saved as F32 or BF16, not {}", dtype_name(dtype));
   MOE_CHECK(max_shard_bytes > 0, "save_model: max_shard_bytes must be positive, got {}",
             max_shard_bytes);
-  ModelConfig written = cfg;
-  written.torch_dtype = dtype == DType::BF16 ? "bfloat16" : "float32";
   // Before any weight file changes: a config that cannot be loaded back makes the save useless.
-  written.validate((dir / kHfConfigFile).string());
+  const ModelConfig written = config_as_saved(dir, cfg, dtype);
   const std::string file_dtype = dtype_name(dtype);
 
   // Greedy packing in parameter order, as transformers shards: a tensor larger than the limit
@@ -126,23 +156,13 @@ void save_model(const fs::path& dir, const ModelConfig& cfg, const ParamList& pa
     total_bytes += bytes;
   }
 
-  std::error_code ec;
-  const bool created = fs::create_directories(dir, ec);
-  MOE_CHECK(!ec && fs::is_directory(dir), "{}: cannot create the model directory: {}",
-            dir.string(), ec ? ec.message() : "a file of that name exists");
-  if (created) {
-    fs::path absolute = fs::absolute(dir).lexically_normal();
-    if (!absolute.has_filename()) absolute = absolute.parent_path();  // "dir/" names dir itself
-    fsync_directory(absolute.parent_path());
-  }
-
-  const SafetensorsMetadata metadata{{"format", "pt"}};
+  create_model_dir(dir);
   const fs::path index_path = dir / kSafetensorsIndexFile;
   const std::set<std::string> old_shards = indexed_shards(index_path);
   if (shards.size() == 1) {
     // model.safetensors takes precedence over an index when loading, so it is written first and
     // the old index removed only afterwards.
-    write_safetensors_with_dtypes(dir / kSafetensorsSingleFile, shards.front(), metadata);
+    write_safetensors_with_dtypes(dir / kSafetensorsSingleFile, shards.front(), kWeightsMetadata);
     remove_file(index_path);
     for (const auto& old : old_shards)
       if (old != kSafetensorsSingleFile) remove_file(dir / old);
@@ -150,21 +170,51 @@ void save_model(const fs::path& dir, const ModelConfig& cfg, const ParamList& pa
     nlohmann::json weight_map = nlohmann::json::object();
     std::set<std::string> new_shards;
     for (size_t i = 0; i < shards.size(); ++i) {
-      const std::string file =
-          fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
+      const std::string file = shard_file_name(static_cast<int64_t>(i + 1),
+                                               static_cast<int64_t>(shards.size()));
       for (const auto& item : shards[i]) weight_map[item.name] = file;
-      write_safetensors_with_dtypes(dir / file, shards[i], metadata);
+      write_safetensors_with_dtypes(dir / file, shards[i], kWeightsMetadata);
       new_shards.insert(file);
     }
-    nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}},
-                            {"weight_map", weight_map}};
-    write_file_atomic(index_path, index.dump(2) + "\n");
+    write_index(index_path, weight_map, total_bytes);
     remove_file(dir / kSafetensorsSingleFile);
     for (const auto& old : old_shards)
       if (!new_shards.contains(old)) remove_file(dir / old);
   }
   write_hf_config(dir, written);
   fsync_directory(dir);  // the removals above
+}
+
+void save_model_shard(const fs::path& dir, int64_t shard, int64_t shards, const ParamList& params,
+                      DType dtype) {
+  MOE_CHECK(shards >= 1 && shard >= 1 && shard <= shards,
+            "save_model_shard: shard {} of {} is out of range", shard, shards);
+  MOE_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+            "save_model_shard: weights are saved as F32 or BF16, not {}", dtype_name(dtype));
+  create_model_dir(dir);
+  std::vector<SafetensorsWriteItem> items;
+  for (const Param* p : params) items.push_back({p->name, p->value, dtype_name(dtype)});
+  write_safetensors_with_dtypes(dir / shard_file_name(shard, shards), items, kWeightsMetadata);
+}
+
+void finish_sharded_model(const fs::path& dir, const ModelConfig& cfg, int64_t shards,
+                          DType dtype) {
+  const ModelConfig written = config_as_saved(dir, cfg, dtype);
+  nlohmann::json weight_map = nlohmann::json::object();
+  int64_t total_bytes = 0;
+  for (int64_t i = 1; i <= shards; ++i) {
+    const std::string file = shard_file_name(i, shards);
+    const SafetensorsReader reader(dir / file);
+    for (const SafetensorsEntry& e : reader.entries()) {
+      MOE_CHECK(!weight_map.contains(e.name), "{}: tensor '{}' is also in {}", (dir / file).string(),
+                e.name, weight_map[e.name].get<std::string>());
+      weight_map[e.name] = file;
+      total_bytes += e.nbytes();
+    }
+  }
+  write_index(dir / kSafetensorsIndexFile, weight_map, total_bytes);
+  write_hf_config(dir, written);
+  fsync_directory(dir);
 }
 
 }  // namespace moe

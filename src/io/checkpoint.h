@@ -30,4 +30,14 @@ inline constexpr int64_t kDefaultMaxShardBytes = int64_t{4} << 30;
 void save_model(const std::filesystem::path& dir, const ModelConfig& cfg, const ParamList& params,
                 DType dtype = DType::F32, int64_t max_shard_bytes = kDefaultMaxShardBytes);
 
+// A model saved by several processes at once (expert parallelism), into one directory on a file
+// system they share: each process writes its part of the weights as shard `shard` of `shards`
+// (1-based, model-0000i-of-0000n.safetensors), then, once all are written, one process calls
+// finish_sharded_model, which indexes the shards it finds (reading only their headers) and
+// writes config.json. The result is an ordinary sharded Hugging Face model directory.
+void save_model_shard(const std::filesystem::path& dir, int64_t shard, int64_t shards,
+                      const ParamList& params, DType dtype = DType::F32);
+void finish_sharded_model(const std::filesystem::path& dir, const ModelConfig& cfg,
+                          int64_t shards, DType dtype = DType::F32);
+
 }  // namespace moe

@@ -160,14 +160,14 @@ LossResult DeepSeekModel::forward(const Tensor& tokens, const Tensor& targets,
   LossResult r = head_.forward(h, targets, pass, options.z_loss, options.grad_scale);
   if (needs_backward(pass))
     for (MoELayer* m : moe_layers()) r.aux += m->aux_loss();
-  last_grad_scale_ = options.grad_scale;
+  last_aux_grad_scale_ = options.aux_grad_scale.value_or(options.grad_scale);
   return r;
 }
 
 void DeepSeekModel::backward() {
   Tensor dx = final_norm_.backward(head_.backward());
   for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
-    dx = (*it)->backward(dx, last_grad_scale_);
+    dx = (*it)->backward(dx, last_aux_grad_scale_);
   embed_.backward(dx);
 }
 

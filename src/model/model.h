@@ -2,6 +2,7 @@
 // The DeepSeek-V3 family: embedding -> blocks (MLA attention + dense or MoE FFN) -> final norm
 // -> untied LM head fused with the loss. Forward and backward are explicit, block by block.
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "model/attention.h"
@@ -16,6 +17,10 @@ namespace moe {
 struct LossOptions {
   double z_loss = 0.0;
   float grad_scale = 1.0f;  // d(objective)/d(this micro-batch's loss), e.g. 1/accumulation steps
+  // d(objective)/d(this micro-batch's aux loss) when it differs from grad_scale: under data or
+  // expert parallelism the cross-entropy part weighs a rank's counted tokens, the sequence-wise
+  // aux loss its sequences.
+  std::optional<float> aux_grad_scale;
 };
 
 class Block {
@@ -67,7 +72,7 @@ class DeepSeekModel {
   RMSNorm final_norm_;
   LMHeadLoss head_;
   ParamList params_;
-  float last_grad_scale_ = 1.0f;
+  float last_aux_grad_scale_ = 1.0f;
 };
 
 }  // namespace moe

@@ -40,7 +40,7 @@ void AdamW::step(double lr, float grad_scale) {
   }
 }
 
-double grad_norm(const ParamList& params) {
+double grad_sum_squares(const ParamList& params) {
   double total = 0;
   for (Param* p : params) {
     if (!p->grad.defined()) continue;
@@ -56,8 +56,10 @@ double grad_norm(const ParamList& params) {
     });
     for (double s : partial) total += s;
   }
-  return std::sqrt(total);
+  return total;
 }
+
+double grad_norm(const ParamList& params) { return std::sqrt(grad_sum_squares(params)); }
 
 float clip_coefficient(double norm, double max_norm) {
   const double coef = max_norm / (norm + 1e-6);

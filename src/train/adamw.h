@@ -37,8 +37,9 @@ class AdamW {
   int64_t step_ = 0;
 };
 
-// Global L2 norm of all gradients (fixed-order, in double).
+// Global L2 norm of all gradients (fixed-order, in double), and its square.
 double grad_norm(const ParamList& params);
+double grad_sum_squares(const ParamList& params);
 // The factor torch.nn.utils.clip_grad_norm_ applies for a global norm: max_norm / (norm + 1e-6)
 // when that is below 1, else 1.
 float clip_coefficient(double norm, double max_norm);

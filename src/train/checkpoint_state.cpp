@@ -5,10 +5,13 @@
 #include <algorithm>
 #include <charconv>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "core/error.h"
+#include "dist/communicator.h"
+#include "dist/ep_training.h"
 #include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
@@ -56,13 +59,32 @@ void remove_leftovers(const fs::path& dir) {
   }
 }
 
-void write_optimizer(const fs::path& file, const AdamW& opt) {
+enum class Part { All, NonExperts, Experts };
+
+bool in_part(const Param& p, Part part) {
+  return part == Part::All || (part == Part::Experts) == is_routed_expert_param(p.name);
+}
+
+ParamList params_of(const ParamList& params, Part part) {
+  ParamList out;
+  for (Param* p : params)
+    if (in_part(*p, part)) out.push_back(p);
+  return out;
+}
+
+std::string expert_optimizer_file(int shard, int shards) {
+  return fmt::format("optimizer-experts-{:05d}-of-{:05d}.safetensors", shard + 1, shards);
+}
+
+void write_optimizer(const fs::path& file, const AdamW& opt, Part part = Part::All) {
   std::vector<std::pair<std::string, Tensor>> tensors;
   const ParamList& params = opt.params();
   for (size_t i = 0; i < params.size(); ++i)
-    tensors.emplace_back("exp_avg." + params[i]->name, opt.first_moments()[i]);
+    if (in_part(*params[i], part))
+      tensors.emplace_back("exp_avg." + params[i]->name, opt.first_moments()[i]);
   for (size_t i = 0; i < params.size(); ++i)
-    tensors.emplace_back("exp_avg_sq." + params[i]->name, opt.second_moments()[i]);
+    if (in_part(*params[i], part))
+      tensors.emplace_back("exp_avg_sq." + params[i]->name, opt.second_moments()[i]);
   const AdamWConfig& c = opt.config();
   write_safetensors(file, tensors,
                     {{"format", "moe-adamw"},
@@ -94,40 +116,76 @@ fs::path save_checkpoint(const fs::path& checkpoints_dir, const ModelConfig& mod
                          const ParamList& params, const AdamW& optimizer,
                          const TrainerState& state, int64_t keep_last,
                          const CheckpointFileHook& hook,
-                         const std::vector<std::pair<std::string, std::string>>& extra_files) {
-  fs::create_directories(checkpoints_dir);
-  remove_leftovers(checkpoints_dir);
+                         const std::vector<std::pair<std::string, std::string>>& extra_files,
+                         const CheckpointWriters& writers) {
+  Communicator* world = writers.world && writers.world->size() > 1 ? writers.world : nullptr;
+  const bool main = world == nullptr || world->rank() == 0;
+  const bool sharded = world != nullptr && writers.ep_size > 1;
+  // Every rank needs the temporary directory's name: rank 0's pid.
+  int64_t pid = main ? static_cast<int64_t>(getpid()) : 0;
+  if (world) world->all_reduce_sum(&pid, 1);
   const std::string step_name = kStepPrefix + std::to_string(state.step);
-  const fs::path tmp =
-      checkpoints_dir / fmt::format("{}{}.{}", kTempPrefix, state.step, static_cast<long>(getpid()));
-  fs::create_directory(tmp);
-  // Training state must resume bit for bit, so the weights are always written in float32.
-  save_model(tmp, model_config, params, DType::F32);
-  if (hook) hook("model.safetensors");
-  write_optimizer(tmp / kOptimizerStateFile, optimizer);
-  if (hook) hook(kOptimizerStateFile);
-  for (const auto& [name, contents] : extra_files) {
-    write_file_atomic(tmp / name, contents);
-    if (hook) hook(name);
+  const fs::path tmp = checkpoints_dir / fmt::format("{}{}.{}", kTempPrefix, state.step, pid);
+  if (main) {
+    fs::create_directories(checkpoints_dir);
+    remove_leftovers(checkpoints_dir);
+    fs::create_directory(tmp);
   }
-  // Last: its presence is what marks a checkpoint complete.
-  write_file_atomic(tmp / kTrainerStateFile, state_to_json(state).dump(2) + "\n");
-  if (hook) hook(kTrainerStateFile);
-  fsync_directory(tmp);
+  if (world) world->barrier();
 
-  const fs::path final_dir = checkpoints_dir / step_name;
-  // Re-saving a step (a resumed run finishing where it started): move the old copy aside first,
-  // because rename cannot replace a non-empty directory.
-  const fs::path old = checkpoints_dir / (kOldPrefix + std::to_string(state.step));
-  if (fs::exists(final_dir)) fs::rename(final_dir, old);
-  fs::rename(tmp, final_dir);
-  fsync_directory(checkpoints_dir);
-  fs::remove_all(old);
+  // Training state must resume bit for bit, so the weights are always written in float32.
+  if (!sharded) {
+    if (main) {
+      save_model(tmp, model_config, params, DType::F32);
+      if (hook) hook("model.safetensors");
+      write_optimizer(tmp / kOptimizerStateFile, optimizer);
+      if (hook) hook(kOptimizerStateFile);
+    }
+  } else {
+    const int64_t shards = writers.ep_size + 1;
+    if (main) {
+      save_model_shard(tmp, 1, shards, params_of(params, Part::NonExperts));
+      write_optimizer(tmp / kOptimizerStateFile, optimizer, Part::NonExperts);
+    }
+    if (writers.writes_experts) {
+      save_model_shard(tmp, writers.ep_rank + 2, shards, params_of(params, Part::Experts));
+      write_optimizer(tmp / expert_optimizer_file(writers.ep_rank, writers.ep_size), optimizer,
+                      Part::Experts);
+    }
+    world->barrier();
+    if (main) {
+      finish_sharded_model(tmp, model_config, shards);
+      if (hook) hook("model.safetensors.index.json");
+    }
+  }
 
-  const auto all = list_checkpoints(checkpoints_dir);
-  const int64_t excess = static_cast<int64_t>(all.size()) - keep_last;
-  for (int64_t i = 0; i < excess; ++i)
-    if (all[static_cast<size_t>(i)].second != final_dir) fs::remove_all(all[static_cast<size_t>(i)].second);
+  fs::path final_dir = checkpoints_dir / step_name;
+  if (main) {
+    for (const auto& [name, contents] : extra_files) {
+      write_file_atomic(tmp / name, contents);
+      if (hook) hook(name);
+    }
+    // Last: its presence is what marks a checkpoint complete.
+    write_file_atomic(tmp / kTrainerStateFile, state_to_json(state).dump(2) + "\n");
+    if (hook) hook(kTrainerStateFile);
+    fsync_directory(tmp);
+
+    // Re-saving a step (a resumed run finishing where it started): move the old copy aside
+    // first, because rename cannot replace a non-empty directory.
+    const fs::path old = checkpoints_dir / (kOldPrefix + std::to_string(state.step));
+    if (fs::exists(final_dir)) fs::rename(final_dir, old);
+    fs::rename(tmp, final_dir);
+    fsync_directory(checkpoints_dir);
+    fs::remove_all(old);
+
+    const auto all = list_checkpoints(checkpoints_dir);
+    const int64_t excess = static_cast<int64_t>(all.size()) - keep_last;
+    for (int64_t i = 0; i < excess; ++i)
+      if (all[static_cast<size_t>(i)].second != final_dir)
+        fs::remove_all(all[static_cast<size_t>(i)].second);
+  }
+  // No rank goes on (to read or write checkpoints) before this one is in place.
+  if (world) world->barrier();
   return final_dir;
 }
 
@@ -178,16 +236,31 @@ TrainerState read_trainer_state(const fs::path& dir) {
 
 void load_optimizer_state(const fs::path& dir, AdamW& opt) {
   const SafetensorsReader reader(dir / kOptimizerStateFile);
+  // Expert shards of an expert-parallel run; only headers are read until a moment is needed.
+  std::vector<std::unique_ptr<SafetensorsReader>> expert_files;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("optimizer-experts-", 0) == 0 && name.ends_with(".safetensors"))
+      expert_files.push_back(std::make_unique<SafetensorsReader>(e.path()));
+  }
+  auto holder = [&](const std::string& name) -> const SafetensorsReader& {
+    if (reader.contains(name)) return reader;
+    for (const auto& r : expert_files)
+      if (r->contains(name)) return *r;
+    fail("{}: no optimizer state '{}' in {} or an optimizer-experts-*.safetensors file",
+         dir.string(), name, kOptimizerStateFile);
+  };
   const ParamList& params = opt.params();
   for (size_t i = 0; i < params.size(); ++i) {
     for (const auto& [prefix, t] : {std::pair{"exp_avg.", opt.first_moments()[i]},
                                     std::pair{"exp_avg_sq.", opt.second_moments()[i]}}) {
       const std::string name = prefix + params[i]->name;
-      const SafetensorsEntry& e = reader.entry(name);
+      const SafetensorsReader& r = holder(name);
+      const SafetensorsEntry& e = r.entry(name);
       MOE_CHECK(e.shape == t.shape() && e.dtype == "F32",
-                "{}: '{}' is {} {}, the optimizer expects F32 {}", reader.path().string(), name,
+                "{}: '{}' is {} {}, the optimizer expects F32 {}", r.path().string(), name,
                 e.dtype, shape_str(e.shape), shape_str(t.shape()));
-      reader.read_into(name, t);
+      r.read_into(name, t);
     }
   }
   const auto it = reader.metadata().find("step");

@@ -4,6 +4,9 @@
 //                                    loadable directly by `moe sample` and `moe logits`
 //   optimizer.safetensors            AdamW moments keyed exp_avg.<param> / exp_avg_sq.<param>,
 //                                    in parameter order, the step count in the metadata
+//   optimizer-experts-0000i-of-0000e.safetensors
+//                                    at expert-parallel size e > 1: the moments of expert
+//                                    shard i (optimizer.safetensors then holds the rest)
 //   trainer.json                     step, data position, RNG state, tokenizer, resolved config
 //   tokenizer.json                   a BPE run's tokenizer (Hugging Face layout)
 // The directory is assembled under a hidden temporary name and renamed into place only when
@@ -41,6 +44,21 @@ struct TrainerState {
   std::string config_toml;  // the resolved configuration of the run
 };
 
+class Communicator;
+
+// Who writes what when the ranks of an expert-parallel run save one checkpoint together. At
+// EP size e > 1 the weights become shards 1..e+1 of a sharded Hugging Face model: shard 1 (every
+// non-expert tensor) and optimizer.safetensors from world rank 0, shard i+2 and the optimizer
+// file of expert shard i from the first replica of that shard. Everything else (index,
+// config.json, trainer.json, the rename into place) is rank 0's, between barriers, so the
+// ranks must share the file system. Without a world (or at e = 1) rank 0 writes it all.
+struct CheckpointWriters {
+  Communicator* world = nullptr;
+  int ep_size = 1;
+  int ep_rank = 0;              // the expert shard this rank holds
+  bool writes_experts = true;   // the first replica of its shard
+};
+
 // Test seam: called after each file of a checkpoint is written (before the rename), so a test
 // can kill the writer mid-checkpoint.
 using CheckpointFileHook = std::function<void(const std::string& file)>;
@@ -53,7 +71,8 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& checkpoints_d
                                       const AdamW& optimizer, const TrainerState& state,
                                       int64_t keep_last, const CheckpointFileHook& hook = {},
                                       const std::vector<std::pair<std::string, std::string>>&
-                                          extra_files = {});
+                                          extra_files = {},
+                                      const CheckpointWriters& writers = {});
 
 // Complete checkpoints (step_<N> with a trainer.json), oldest first.
 std::vector<std::pair<int64_t, std::filesystem::path>> list_checkpoints(
@@ -61,7 +80,9 @@ std::vector<std::pair<int64_t, std::filesystem::path>> list_checkpoints(
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& checkpoints_dir);
 
 TrainerState read_trainer_state(const std::filesystem::path& checkpoint_dir);
-// Moments and step count; checks every name and shape against the optimizer's params.
+// Moments and step count; checks every name and shape against the optimizer's params. Moments
+// are found by name in any of the checkpoint's optimizer files, so a rank reads only its own
+// experts' moments.
 void load_optimizer_state(const std::filesystem::path& checkpoint_dir, AdamW& optimizer);
 
 }  // namespace moe

@@ -62,6 +62,9 @@ void ConfigKeys::add_string(const std::string& name, std::string* target,
                             std::vector<std::string> choices) {
   entries_.push_back({name, Kind::String, target, {}, std::move(choices)});
 }
+void ConfigKeys::add_optional_string(const std::string& name, std::string* target) {
+  entries_.push_back({name, Kind::String, target, {}, {}, /*may_be_empty=*/true});
+}
 void ConfigKeys::add_string_list(const std::string& name, std::vector<std::string>* target) {
   entries_.push_back({name, Kind::StringList, target, {}, {}});
 }
@@ -95,7 +98,7 @@ std::string ConfigKeys::expected(const Entry& e) const {
     case Kind::Float: what = "a number"; break;
     case Kind::Bool: return "true or false";
     case Kind::String:
-      if (e.choices.empty()) return "a non-empty string";
+      if (e.choices.empty()) return e.may_be_empty ? "a string" : "a non-empty string";
       what = "one of";
       for (size_t i = 0; i < e.choices.size(); ++i)
         what += fmt::format("{} \"{}\"", i ? "," : "", e.choices[i]);
@@ -123,7 +126,7 @@ void ConfigKeys::check_range(const Entry& e, double v, const std::string& shown,
 
 void ConfigKeys::check_choice(const Entry& e, const std::string& v, const std::string& source) const {
   const bool ok = e.choices.empty()
-                      ? !v.empty()
+                      ? e.may_be_empty || !v.empty()
                       : std::find(e.choices.begin(), e.choices.end(), v) != e.choices.end();
   if (!ok) fail("{}: {}: expected {}, got \"{}\"", source, e.name, expected(e), v);
 }

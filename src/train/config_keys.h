@@ -29,6 +29,8 @@ class ConfigKeys {
   void add_bool(const std::string& name, bool* target);
   // `choices` empty: any non-empty string.
   void add_string(const std::string& name, std::string* target, std::vector<std::string> choices = {});
+  // Any string, "" meaning "not set".
+  void add_optional_string(const std::string& name, std::string* target);
   // A string or an array of strings in TOML; one string on the command line.
   void add_string_list(const std::string& name, std::vector<std::string>* target);
 
@@ -50,6 +52,7 @@ class ConfigKeys {
     void* target;
     Range range;
     std::vector<std::string> choices;
+    bool may_be_empty = false;
   };
   const Entry* find(const std::string& name) const;
   std::string expected(const Entry& e) const;

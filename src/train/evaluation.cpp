@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "dist/communicator.h"
 #include "model/model.h"
 
 namespace moe {
@@ -26,6 +27,32 @@ double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch
   // An Eval forward must keep nothing; a leak here would grow with every validation.
   MOE_CHECK(!model.has_saved(), "internal: a validation forward left saved state behind");
   return tokens > 0 ? sum / static_cast<double>(tokens) : std::numeric_limits<double>::quiet_NaN();
+}
+
+double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch,
+                int64_t max_batches, Communicator& world) {
+  const int64_t w = world.size(), rank = world.rank();
+  if (w == 1) return evaluate(model, data, batch, max_batches);
+  MOE_CHECK(batch % w == 0, "evaluate: batch {} is not divisible by the {} ranks", batch, w);
+  const int64_t part = batch / w;
+  double sums[2] = {0, 0};  // Σ ce·tokens, Σ tokens
+  for (int64_t g = 0; max_batches == 0 || g < max_batches; ++g) {
+    const int64_t first = g * batch + rank * part;
+    const int64_t last = std::min(data.size(), first + part);
+    int64_t have = last > first ? 1 : 0;
+    world.all_reduce_min(&have, 1);
+    if (have == 0) break;
+    std::vector<int64_t> idx;
+    for (int64_t j = first; j < last; ++j) idx.push_back(j);
+    const Batch b = make_batch(data, idx);
+    const LossResult r = model.forward(b.tokens, b.targets, b.shape, Pass::Eval);
+    if (r.tokens == 0) continue;  // a part of ignored targets only: ce is 0/0
+    sums[0] += r.ce * static_cast<double>(r.tokens);
+    sums[1] += static_cast<double>(r.tokens);
+  }
+  MOE_CHECK(!model.has_saved(), "internal: a validation forward left saved state behind");
+  world.all_reduce_sum(sums, 2);
+  return sums[1] > 0 ? sums[0] / sums[1] : std::numeric_limits<double>::quiet_NaN();
 }
 
 nlohmann::json memory_json() {

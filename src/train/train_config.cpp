@@ -25,6 +25,7 @@ ConfigKeys bind(TrainConfig& c) {
   const Range at_least_one{1};
   ConfigKeys k;
   k.add_string("model.preset", &c.model.preset);
+  k.add_optional_string("model.weights", &c.model.weights);
 
   k.add_string_list("data.path", &c.data.path);
   k.add_string("data.format", &c.data.format, {"auto", "text", "jsonl"});
@@ -62,6 +63,7 @@ ConfigKeys bind(TrainConfig& c) {
   k.add_int("run.seed", &c.run.seed, non_negative);
   k.add_int("run.threads", &c.run.threads, non_negative);
   k.add_string("run.out_dir", &c.run.out_dir);
+  k.add_int("parallel.ep", &c.parallel.ep, at_least_one);
   return k;
 }
 
@@ -183,7 +185,7 @@ TrainConfig parse_train_config(const std::string& toml_text, const std::string& 
               section_list());
     for (const auto& [kk, value] : *node.as_table()) {
       const std::string name = section + "." + std::string(kk.str());
-      if (section == "model" && name != "model.preset") {
+      if (section == "model" && !keys.contains(name)) {
         c.model.overrides[std::string(kk.str())] = toml_to_json(value);
         continue;
       }
@@ -197,7 +199,7 @@ TrainConfig parse_train_config(const std::string& toml_text, const std::string& 
     const std::string section = o.key.substr(0, o.key.find('.'));
     MOE_CHECK(known_section(section), "command line: --{}: unknown section [{}] (sections: {})",
               o.key, section, section_list());
-    if (section == "model" && o.key != "model.preset") {
+    if (section == "model" && !keys.contains(o.key)) {
       set_nested(c.model.overrides, o.key.substr(6), guess_json(o.value));
       continue;
     }
@@ -246,7 +248,7 @@ ModelConfig resolve_train_model(const TrainConfig& cfg, int64_t vocab_size, int6
       std::string fields;
       for (const auto& [f, v] : j.items())
         if (!owned.count(f) && !unused.count(f)) fields += (fields.empty() ? "" : ", ") + f;
-      fail("model.{}: unknown model config field (fields: preset, {})", key, fields);
+      fail("model.{}: unknown model config field (fields: preset, weights, {})", key, fields);
     }
     j[key] = value;
   }

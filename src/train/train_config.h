@@ -1,6 +1,6 @@
 #pragma once
 // `moe train` configuration: a TOML file with sections [model] [data] [optimizer] [schedule]
-// [checkpoint] [logging] [run], each key overridable on the command line as --section.key value.
+// [checkpoint] [logging] [run] [parallel], each key overridable on the command line as --section.key value.
 // Unknown keys and ill-typed or out-of-range values are errors naming the key.
 #include <cstdint>
 #include <filesystem>
@@ -15,8 +15,11 @@ namespace moe {
 
 struct TrainConfig {
   struct Model {
-    // A preset name, a config.json or a model directory (its config only; weights start fresh).
+    // A preset name, a config.json or a model directory (its config only; see `weights`).
     std::string preset = "small";
+    // A model directory (Hugging Face layout) whose weights start the run instead of a random
+    // initialisation; under expert parallelism each rank reads only its own experts.
+    std::string weights;
     // Any Hugging Face config.json field, applied on top of the preset (e.g. num_hidden_layers).
     nlohmann::json overrides = nlohmann::json::object();
   } model;
@@ -26,7 +29,7 @@ struct TrainConfig {
     std::string jsonl_field = "text";
     std::string tokenizer = "byte";  // "byte" or a tokenizer.json (`moe tokenizer train`)
     int64_t seq_len = 256;
-    int64_t batch_size = 8;     // sequences per micro-batch
+    int64_t batch_size = 8;     // sequences per micro-batch, over all ranks together
     double val_fraction = 0.01; // tail of the token stream held out for validation
     int64_t val_batches = 0;    // batches per validation (0: the whole split)
     bool shuffle = true;
@@ -63,6 +66,11 @@ struct TrainConfig {
     int64_t threads = 0;  // 0: the global --threads (default all cores)
     std::string out_dir = "runs/train";
   } run;
+  struct Parallel {
+    // Expert-parallel size under mpirun: must divide the number of ranks and the routed experts.
+    // Each rank holds E / ep experts; the W / ep ranks with the same experts are replicas.
+    int64_t ep = 1;
+  } parallel;
 };
 
 struct ConfigOverride {

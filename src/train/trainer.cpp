@@ -12,6 +12,8 @@
 #include "data/corpus.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"
+#include "dist/communicator.h"
+#include "dist/ep_training.h"
 #include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
@@ -94,11 +96,35 @@ void check_same_model(const fs::path& dir, const ModelConfig& configured) {
               saved.contains(key) ? saved[key].dump() : "nothing", value.dump());
 }
 
-// Initial weights and gradient buffers; returns the params AdamW updates.
-ParamList prepare_for_training(DeepSeekModel& model, uint64_t seed) {
-  model.init_weights(seed);
+// Initial weights (random, or model.weights: each rank reads only the tensors it holds) and
+// gradient buffers; returns the params AdamW updates.
+ParamList prepare_for_training(DeepSeekModel& model, const TrainConfig& cfg) {
+  model.init_weights(static_cast<uint64_t>(cfg.run.seed));
+  if (!cfg.model.weights.empty()) {
+    MOE_CHECK(fs::is_directory(cfg.model.weights),
+              "model.weights: {}: not a model directory (config.json + safetensors)",
+              cfg.model.weights);
+    load_weights(cfg.model.weights, model.params());
+  }
   model.allocate_grads();
   return model.trainable_params();
+}
+
+ExpertParallelGroups make_groups(const TrainConfig& cfg, std::shared_ptr<Communicator> world,
+                                 const ModelConfig& mc) {
+  if (!world) world = std::make_shared<LocalCommunicator>();
+  MOE_CHECK(cfg.data.batch_size % world->size() == 0,
+            "data.batch_size = {}: must be divisible by the number of ranks ({}), each rank "
+            "taking an equal part of every batch", cfg.data.batch_size, world->size());
+  return make_expert_parallel_groups(std::move(world), cfg.parallel.ep, mc.n_routed_experts,
+                                     "parallel.ep");
+}
+
+int64_t counted_targets(const Tensor& targets) {
+  int64_t n = 0;
+  const int32_t* t = targets.i32();
+  for (int64_t i = 0; i < targets.numel(); ++i) n += t[i] != kIgnoreIndex;
+  return n;
 }
 
 // What one optimizer step measured.
@@ -115,14 +141,16 @@ class TrainingRun {
         cfg_(req.config),
         out_dir_(cfg_.run.out_dir),
         ckpt_dir_(out_dir_ / "checkpoints"),
-        progress_(cfg_.logging.progress, cfg_.logging.log_every),
+        main_(!req.world || req.world->rank() == 0),
+        progress_(main_ ? cfg_.logging.progress : "none", cfg_.logging.log_every),
         tokenizer_(load_configured_tokenizer(cfg_)),
         tokenizer_json_(tokenizer_file_text(*tokenizer_)),
         corpus_(load_configured_corpus(cfg_, *tokenizer_)),
         mc_(resolve_train_model(cfg_, padded_vocab_size(tokenizer_->vocab_size()),
                                 tokenizer_->end_of_text())),
-        model_(mc_),
-        trainable_(prepare_for_training(model_, static_cast<uint64_t>(cfg_.run.seed))),
+        groups_(make_groups(cfg_, req.world, mc_)),
+        model_(mc_, make_dispatcher(groups_)),
+        trainable_(prepare_for_training(model_, cfg_)),
         opt_(trainable_, adamw_config(cfg_.optimizer)),
         sampler_(corpus_.train, static_cast<uint64_t>(cfg_.run.seed), cfg_.data.shuffle),
         schedule_{cfg_.optimizer.lr, cfg_.schedule.min_lr, cfg_.schedule.warmup_steps,
@@ -142,10 +170,13 @@ class TrainingRun {
     describe_setup();
     measure_peak();
     if (req_.resume_from) restore(*req_.resume_from);
-    fs::create_directories(out_dir_);
-    // For reference next to the metrics: the configuration this process actually runs.
-    write_file_atomic(out_dir_ / "config.toml", st_.config_toml);
-    MetricsLog metrics(out_dir_ / "metrics.jsonl", st_.step, req_.resume_from.has_value());
+    std::optional<MetricsLog> metrics;
+    if (main_) {
+      fs::create_directories(out_dir_);
+      // For reference next to the metrics: the configuration this process actually runs.
+      write_file_atomic(out_dir_ / "config.toml", st_.config_toml);
+      metrics.emplace(out_dir_ / "metrics.jsonl", st_.step, req_.resume_from.has_value());
+    }
     result_.first_step = st_.step;
     MemoryTracker::instance().reset_peaks();
 
@@ -162,13 +193,13 @@ class TrainingRun {
         record["val_s"] = seconds_since(t0);
       }
       record["memory"] = memory_json();
-      metrics.write(record);
+      if (metrics) metrics->write(record);
       show_progress(s);
       checkpoint_due |= last || due(cfg_.checkpoint.every);
       // Only a state right after a good update is saved: a non-finite step may stem from
       // corrupted weights, and the last good checkpoint must survive the streak.
       if (checkpoint_due && st_.nonfinite_streak > 0) {
-        progress_.warning(fmt::format("step {}: checkpoint postponed until a step succeeds", st_.step));
+        warn(fmt::format("step {}: checkpoint postponed until a step succeeds", st_.step));
       } else if (checkpoint_due) {
         checkpoint_due = false;
         checkpoint();
@@ -180,17 +211,26 @@ class TrainingRun {
     }
     progress_.finish();
     if (checkpoint_due)
-      progress_.warning(fmt::format("the last step was non-finite, so no checkpoint was written "
+      warn(fmt::format("the last step was non-finite, so no checkpoint was written "
                                     "for it; the last good one is {}", last_checkpoint_name()));
     // A resume of a finished run still reports where it stands.
     if (!result_.stopped_early && steps_this_run_ == 0 && corpus_.val.size() > 0) validate();
     finish_result(start);
-    print_summary(metrics.path());
-    write_report();
+    if (main_) {
+      print_summary(metrics->path());
+      write_report();
+    }
     return result_;
   }
 
  private:
+  void say(const std::string& line) {
+    if (main_) progress_.message(line);
+  }
+  void warn(const std::string& line) {
+    if (main_) progress_.warning(line);
+  }
+  Communicator& world() const { return *groups_.world; }
   bool due(int64_t every) const { return every > 0 && st_.step % every == 0; }
 
   std::string last_checkpoint_name() const {
@@ -200,12 +240,12 @@ class TrainingRun {
 
   void describe_setup() {
     const ParamCounts pc = count_params(mc_);
-    progress_.message(fmt::format(
+    say(fmt::format(
         "model: {} parameters ({} active per token), {} layers, {} routed experts, vocab {}",
         format_count(static_cast<double>(pc.total)),
         format_count(static_cast<double>(pc.active_per_token)), mc_.num_hidden_layers,
         mc_.n_routed_experts, mc_.vocab_size));
-    progress_.message(fmt::format(
+    say(fmt::format(
         "data: {} document{}, {} tokens ({} tokenizer, {} ids): {} training sequences of {} "
         "tokens, {} validation tokens; unigram entropy {:.4f} nats",
         corpus_.documents, corpus_.documents == 1 ? "" : "s",
@@ -213,14 +253,23 @@ class TrainingRun {
         tokenizer_->vocab_size(), corpus_.train.size(),
         cfg_.data.seq_len, format_count(static_cast<double>(corpus_.val.tokens().size())),
         corpus_.train_unigram_entropy));
+    const int w = world().size(), e = groups_.ep_size;
+    if (w > 1)
+      say(fmt::format("parallel: {} ranks, expert-parallel size {}: {} of {} routed experts per "
+                      "rank, {} cop{} of each; {} of the {} sequences of every batch per rank",
+                      w, e, mc_.n_routed_experts / e, mc_.n_routed_experts, w / e,
+                      w / e == 1 ? "y" : "ies", cfg_.data.batch_size / w, cfg_.data.batch_size));
   }
 
-  // The MFU denominator, measured on this machine at this run's thread count.
+  // The MFU denominator, measured on this machine at this run's thread count; with several
+  // ranks all measure at once (so shared cores count once) and the peaks add up.
   void measure_peak() {
     peak_gflops_ = gemm_peak_gflops();
-    progress_.message(fmt::format("GEMM peak: {:.1f} GFLOP/s (OpenBLAS kernels: {}, {} thread{})",
-                                  peak_gflops_, blas_kernel_name(), num_threads(),
-                                  num_threads() == 1 ? "" : "s"));
+    world().all_reduce_sum(&peak_gflops_, 1);
+    const int w = world().size();
+    say(fmt::format("GEMM peak: {:.1f} GFLOP/s (OpenBLAS kernels: {}, {} thread{}{})",
+                    peak_gflops_, blas_kernel_name(), num_threads(), num_threads() == 1 ? "" : "s",
+                    w > 1 ? fmt::format(" per rank, {} ranks", w) : std::string()));
   }
 
   double mfu(double tokens_per_s) const {
@@ -232,10 +281,10 @@ class TrainingRun {
     if (steps_this_run_ == 0 && !fs::exists(out_dir_ / "metrics.jsonl")) return;
     try {
       const ReportFiles f = write_training_report(out_dir_);
-      progress_.message(fmt::format("report: {}, {}, {}", f.summary.string(),
+      say(fmt::format("report: {}, {}, {}", f.summary.string(),
                                     f.loss_chart.string(), f.expert_load_chart.string()));
     } catch (const std::exception& e) {
-      progress_.warning(fmt::format("the training report could not be written: {}", e.what()));
+      warn(fmt::format("the training report could not be written: {}", e.what()));
     }
   }
 
@@ -253,10 +302,10 @@ class TrainingRun {
     load_weights(dir, model_.params());
     load_optimizer_state(dir, opt_);
     if (saved.data_fingerprint != corpus_.fingerprint)
-      progress_.warning(fmt::format("{}: the data differs from the data this run was trained on; "
+      warn(fmt::format("{}: the data differs from the data this run was trained on; "
                                     "training continues on the new data", dir.string()));
     if (saved.data_seed != st_.data_seed)
-      progress_.warning(fmt::format("{}: saved with run.seed {}, resuming with {}: the remaining "
+      warn(fmt::format("{}: saved with run.seed {}, resuming with {}: the remaining "
                                     "batches come in a different order", dir.string(),
                                     saved.data_seed, st_.data_seed));
     else if (cfg_.data.shuffle &&
@@ -271,33 +320,61 @@ class TrainingRun {
     st_.tokens_seen = saved.tokens_seen;
     st_.nonfinite_streak = saved.nonfinite_streak;
     result_.last_checkpoint = dir;
-    progress_.message(fmt::format("resumed from {} at step {}", dir.string(), st_.step));
+    say(fmt::format("resumed from {} at step {}", dir.string(), st_.step));
   }
 
-  // Micro-batches -> clip -> router-bias update -> AdamW, or a skipped step when anything is
-  // non-finite.
+  // This rank's part of a global batch: parts of batch / W consecutive sequences, in rank order.
+  Batch local_batch(const std::vector<int64_t>& global) const {
+    const int64_t w = world().size(), part = static_cast<int64_t>(global.size()) / w;
+    const auto first = global.begin() + world().rank() * part;
+    return make_batch(corpus_.train, std::vector<int64_t>(first, first + part));
+  }
+
+  // Micro-batches -> gradient reductions across ranks -> clip -> router-bias update -> AdamW,
+  // or a skipped step when anything is non-finite. Every rank draws the same global batches and
+  // trains on its part; scaled as below, the summed gradients are those of the global batch.
   StepOutcome step() {
     if (req_.hooks.before_step) req_.hooks.before_step(st_.step, model_);
     const auto t0 = Clock::now();
     const int64_t accum = cfg_.optimizer.grad_accum;
+    const double w = static_cast<double>(world().size());
     LossOptions options;
     options.z_loss = cfg_.optimizer.z_loss;
-    options.grad_scale = static_cast<float>(1.0 / static_cast<double>(accum));
+    // The sequence-wise aux loss is a mean over sequences, and every rank has as many.
+    options.aux_grad_scale = static_cast<float>(1.0 / (w * static_cast<double>(accum)));
     StepOutcome s;
     s.lr = schedule_.at(st_.step);
     model_.zero_grads();
+    double parts[3] = {0, 0, 0};  // this rank's share of the step's CE, z-loss and aux loss
     for (int64_t m = 0; m < accum; ++m) {
-      const Batch b = sampler_.next(cfg_.data.batch_size);
+      const Batch b = local_batch(sampler_.next_indices(cfg_.data.batch_size));
+      // The cross-entropy is a mean over the counted tokens of the whole micro-batch, so a
+      // rank's part weighs in by its share of them.
+      const int64_t mine = counted_targets(b.targets);
+      int64_t all = mine;
+      world().all_reduce_sum(&all, 1);
+      const double share = all > 0 ? static_cast<double>(mine) / static_cast<double>(all) : 0.0;
+      options.grad_scale = static_cast<float>(share / static_cast<double>(accum));
       const LossResult r = model_.forward(b.tokens, b.targets, b.shape, Pass::Train, options);
       // Backward runs even for a non-finite loss: it is what releases the saved activations
       // and dispatch handles of this forward.
       model_.backward();
-      s.loss += r.ce / static_cast<double>(accum);
-      s.z_loss += r.z_loss / static_cast<double>(accum);
-      s.aux_loss += r.aux / static_cast<double>(accum);
+      if (mine > 0) {
+        parts[0] += r.ce * share / static_cast<double>(accum);
+        parts[1] += r.z_loss * share / static_cast<double>(accum);
+      }
+      parts[2] += r.aux / (w * static_cast<double>(accum));
     }
+    if (world().size() > 1) {
+      reduce_gradients(model_, world(), *groups_.replicas);
+      sum_router_counts(model_, world());
+      world().all_reduce_sum(parts, 3);
+    }
+    s.loss = parts[0];
+    s.z_loss = parts[1];
+    s.aux_loss = parts[2];
     s.expert_load = expert_load_json(model_);
-    s.grad_norm = grad_norm(trainable_);
+    s.grad_norm = world().size() > 1 ? global_grad_norm(trainable_, groups_) : grad_norm(trainable_);
     const float clip = cfg_.optimizer.grad_clip > 0
                            ? clip_coefficient(s.grad_norm, cfg_.optimizer.grad_clip)
                            : 1.0f;
@@ -332,7 +409,7 @@ class TrainingRun {
            "optimizer.max_nonfinite_steps = {}); stopping. The last good checkpoint is {}",
            st_.step + 1, st_.nonfinite_streak, limit, last_checkpoint_name());
     }
-    progress_.warning(fmt::format("step {}: non-finite {} (loss {}, grad norm {}); step skipped "
+    warn(fmt::format("step {}: non-finite {} (loss {}, grad norm {}); step skipped "
                                   "({} in a row, limit {})", st_.step + 1,
                                   std::isfinite(s.loss) ? "gradient" : "loss", s.loss,
                                   s.grad_norm, st_.nonfinite_streak, limit));
@@ -358,8 +435,9 @@ class TrainingRun {
 
   void validate() {
     const auto t0 = Clock::now();
-    result_.final_val_loss = evaluate(model_, corpus_.val, cfg_.data.batch_size, cfg_.data.val_batches);
-    progress_.message(fmt::format("step {}: validation loss {} ({})", st_.step,
+    result_.final_val_loss =
+        evaluate(model_, corpus_.val, cfg_.data.batch_size, cfg_.data.val_batches, world());
+    say(fmt::format("step {}: validation loss {} ({})", st_.step,
                                   describe_loss(result_.final_val_loss),
                                   format_duration(seconds_since(t0))));
   }
@@ -367,10 +445,15 @@ class TrainingRun {
   void checkpoint() {
     std::vector<std::pair<std::string, std::string>> extra;
     if (!tokenizer_json_.empty()) extra.emplace_back(kTokenizerFile, tokenizer_json_);
+    CheckpointWriters writers;
+    writers.world = &world();
+    writers.ep_size = groups_.ep_size;
+    writers.ep_rank = groups_.ep_rank;
+    writers.writes_experts = groups_.writes_experts();
     result_.last_checkpoint = save_checkpoint(ckpt_dir_, mc_, model_.params(), opt_, st_,
                                               cfg_.checkpoint.keep_last, req_.hooks.checkpoint_file,
-                                              extra);
-    progress_.message(fmt::format("step {}: checkpoint {}", st_.step, result_.last_checkpoint.string()));
+                                              extra, writers);
+    say(fmt::format("step {}: checkpoint {}", st_.step, result_.last_checkpoint.string()));
   }
 
   void show_progress(const StepOutcome& s) {
@@ -402,8 +485,8 @@ class TrainingRun {
     const double tok_s = train_seconds_ > 0
                              ? static_cast<double>(step_tokens_ * steps_this_run_) / train_seconds_
                              : 0.0;
-    auto line = [&](const std::string& s) { progress_.message("  " + s); };
-    progress_.message("summary");
+    auto line = [&](const std::string& s) { say("  " + s); };
+    say("summary");
     line(fmt::format("steps            {} of {} ({} this run, {} skipped)", st_.step,
                      cfg_.schedule.steps, steps_this_run_, result_.skipped));
     line(fmt::format("tokens seen      {} ({} per step)",
@@ -418,7 +501,8 @@ class TrainingRun {
     if (!result_.last_checkpoint.empty())
       line(fmt::format("checkpoint       {}", result_.last_checkpoint.string()));
     line(fmt::format("metrics          {}", metrics_path.string()));
-    progress_.message("memory (current, peak since training started)");
+    say(world().size() > 1 ? "memory of rank 0 (current, peak since training started)"
+                           : "memory (current, peak since training started)");
     std::string mem = MemoryTracker::instance().report();
     for (size_t pos = 0; pos < mem.size();) {
       const size_t nl = std::min(mem.find('\n', pos), mem.size());
@@ -430,11 +514,13 @@ class TrainingRun {
   const TrainRequest& req_;
   const TrainConfig& cfg_;
   const fs::path out_dir_, ckpt_dir_;
+  const bool main_;  // world rank 0: prints and writes the run's files
   Progress progress_;
   const std::unique_ptr<Tokenizer> tokenizer_;
   const std::string tokenizer_json_;  // empty for the byte tokenizer
   const Corpus corpus_;
   const ModelConfig mc_;
+  const ExpertParallelGroups groups_;
   DeepSeekModel model_;
   const ParamList trainable_;
   AdamW opt_;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 
 namespace moe {
 
+class Communicator;
 class DeepSeekModel;
 
 // Test seams; all optional.
@@ -45,6 +47,11 @@ struct TrainRequest {
   // already holds checkpoints).
   std::optional<std::filesystem::path> resume_from;
   TrainHooks hooks;
+  // The ranks training together (every rank calls train() with the same request); nullptr: this
+  // process alone. parallel.ep splits them into expert-parallel groups. Rank 0 prints, writes
+  // the metrics and the report; checkpoints are written by several ranks (see
+  // CheckpointWriters), so the ranks must share the file system.
+  std::shared_ptr<Communicator> world;
 };
 
 TrainResult train(const TrainRequest& request);
