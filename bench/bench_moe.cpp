@@ -12,10 +12,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <memory>
 #include <vector>
 
+#include "bench_main.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "kernels/activations.h"
@@ -207,12 +207,4 @@ BENCHMARK(BM_MoELayerTrainStep)
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const char* env = std::getenv("MOE_BENCH_THREADS");
-  set_num_threads(env ? std::atoi(env) : 2);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return moe::bench::run_benchmarks(argc, argv); }

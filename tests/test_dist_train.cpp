@@ -154,6 +154,27 @@ TEST(DistTrain, EveryEpSizeMatchesOneProcessOnTheSameBatches) {
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 
+TEST(DistTrain, FrozenMxfp4ExpertsGiveTheSameLossesAtEveryEpSize) {
+  const fs::path dir = shared_dir("mxfp4");
+  const std::vector<ConfigOverride> packed = {{"model.experts", "mxfp4"}};
+  TrainRequest ref;
+  ref.config = tiny_config(dir, 4, rank_dir(dir) / "ref", packed);
+  const TrainResult want = train(ref);
+  for (int e : ep_sizes()) {
+    std::vector<ConfigOverride> o = packed;
+    o.push_back({"parallel.ep", std::to_string(e)});
+    TrainRequest req;
+    req.config = tiny_config(dir, 4, dir / ("ep" + std::to_string(e)), o);
+    req.world = g_world;
+    const TrainResult got = train(req);
+    const double err = max_rel_diff(got.losses, want.losses);
+    std::printf("[ W %d EP %d, MXFP4 experts ] worst loss rel diff %.3g\n", g_world->size(), e, err);
+    EXPECT_LE(err, 1e-6) << "EP " << e;
+    EXPECT_LE(std::abs(got.final_val_loss - want.final_val_loss) / want.final_val_loss, 1e-6);
+  }
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+}
+
 TEST(DistTrain, ResumeAtTheSameWorldSizeIsBitwiseAndOneProcessCanContinue) {
   const fs::path dir = shared_dir("resume");
   const int e = g_world->size();  // one copy of each expert (1 process: EP 1)

@@ -32,17 +32,19 @@ int64_t shape_numel(const Shape& s) {
 
 Storage::Storage(int64_t bytes, MemCategory category) : bytes_(bytes), category_(category) {
   if (bytes > 0) {
-    // 64-byte alignment lets SIMD kernels use aligned loads on row starts of aligned widths.
-    const size_t rounded = (static_cast<size_t>(bytes) + 63) & ~size_t{63};
-    data_ = std::aligned_alloc(64, rounded);
-    MOE_CHECK(data_ != nullptr, "out of memory allocating {} for {}", format_bytes(bytes),
-              mem_category_name(category));
+    // 64-byte alignment (at least) lets SIMD kernels use aligned loads on row starts.
+    try {
+      block_ = allocate_block(static_cast<size_t>(bytes));
+    } catch (const Error&) {
+      fail("out of memory allocating {} for {}", format_bytes(bytes), mem_category_name(category));
+    }
+    data_ = block_.data;
   }
   MemoryTracker::instance().on_alloc(category_, bytes_);
 }
 
 Storage::~Storage() {
-  std::free(data_);
+  free_block(block_);
   MemoryTracker::instance().on_free(category_, bytes_);
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/block_cache.h"
 #include "core/dtype.h"
 #include "core/memory.h"
 
@@ -28,6 +29,7 @@ class Storage {
   MemCategory category() const { return category_; }
 
  private:
+  HostBlock block_;
   void* data_ = nullptr;
   int64_t bytes_ = 0;
   MemCategory category_;

@@ -1,12 +1,14 @@
 #include "io/checkpoint.h"
 
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string_view>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "io/atomic_file.h"
 #include "io/hf_config.h"
@@ -41,6 +43,16 @@ std::set<std::string> indexed_shards(const fs::path& index) {
 }
 
 const SafetensorsMetadata kWeightsMetadata{{"format", "pt"}};
+
+// Packed MXFP4 tensors keep their on-disk dtypes (SPEC §5); everything else takes the save's.
+std::string file_dtype_of(const Param& p, const std::string& weights_dtype) {
+  switch (p.format) {
+    case ParamFormat::Mxfp4Data: return "I8";
+    case ParamFormat::Mxfp4Scales: return "F8_E8M0";
+    case ParamFormat::F32: break;
+  }
+  return weights_dtype;
+}
 
 std::string shard_file_name(int64_t shard, int64_t shards) {
   return fmt::format("model-{:05d}-of-{:05d}.safetensors", shard, shards);
@@ -82,33 +94,105 @@ void remove_file(const fs::path& path) {
 
 }  // namespace
 
+namespace {
+
+// "...gate_proj.weight" -> "...gate_proj.scale": the checkpoint name of a packed weight's scales.
+std::string scale_name_of(const std::string& weight_name) {
+  const std::string_view suffix = ".weight";
+  if (!std::string_view(weight_name).ends_with(suffix)) return weight_name + ".scale";
+  return weight_name.substr(0, weight_name.size() - suffix.size()) + ".scale";
+}
+
+bool is_byte_dtype(const std::string& dtype) { return dtype == "I8" || dtype == "U8"; }
+
+// How one checkpoint tensor reaches its parameter.
+struct Source {
+  enum Kind { Copy, Zero, Quantize } kind;
+  Param* param;
+  const SafetensorsReader* reader = nullptr;
+  Param* scales = nullptr;  // Quantize: the pair's scale parameter, filled with it
+};
+
+}  // namespace
+
 void load_weights(const SafetensorsSet& weights, const ParamList& params) {
-  struct Source {
-    Param* param;
-    const SafetensorsReader* reader;  // nullptr: optional tensor absent, zero it
-  };
+  std::map<std::string_view, Param*> by_name;
+  for (Param* p : params) {
+    MOE_CHECK(p != nullptr && p->value.defined(), "load_weights: parameter '{}' has no value",
+              p ? p->name : "?");
+    by_name[p->name] = p;
+  }
   std::vector<Source> sources;
   sources.reserve(params.size());
   std::vector<std::string_view> missing;
+  std::set<const Param*> filled_by_pair;
   for (Param* p : params) {
-    MOE_CHECK(p != nullptr && p->value.defined() && p->value.dtype() == DType::F32,
-              "load_weights: parameter '{}' needs an allocated F32 value", p ? p->name : "?");
+    if (p->format == ParamFormat::Mxfp4Scales) continue;  // with its weight, below
     const SafetensorsReader* reader = weights.find(p->name);
     if (reader == nullptr) {
       if (optional_in_checkpoint(p->name))
-        sources.push_back({p, nullptr});
+        sources.push_back({Source::Zero, p});
       else
         missing.push_back(p->name);
       continue;
     }
     const SafetensorsEntry& e = reader->entry(p->name);
-    MOE_CHECK(e.shape == p->value.shape(), "{}: tensor '{}' has shape {}, the model expects {}",
-              reader->path().string(), p->name, shape_str(e.shape), shape_str(p->value.shape()));
-    MOE_CHECK(e.dtype == "F32" || e.dtype == "BF16",
-              "{}: tensor '{}' has dtype {}; only F32 and BF16 weights can be loaded",
-              reader->path().string(), p->name, e.dtype);
-    sources.push_back({p, reader});
+    const std::string file = reader->path().string();
+    if (p->format == ParamFormat::F32) {
+      MOE_CHECK(p->value.dtype() == DType::F32,
+                "load_weights: parameter '{}' needs an allocated F32 value", p->name);
+      MOE_CHECK(!is_byte_dtype(e.dtype),
+                "{}: tensor '{}' is MXFP4-packed ({}), but the model keeps this expert in fp32; "
+                "load the model with MXFP4 experts (moe train: model.experts = \"mxfp4\")", file,
+                p->name, e.dtype);
+      MOE_CHECK(e.shape == p->value.shape(), "{}: tensor '{}' has shape {}, the model expects {}",
+                file, p->name, shape_str(e.shape), shape_str(p->value.shape()));
+      MOE_CHECK(e.dtype == "F32" || e.dtype == "BF16",
+                "{}: tensor '{}' has dtype {}; only F32 and BF16 weights can be loaded", file,
+                p->name, e.dtype);
+      sources.push_back({Source::Copy, p, reader});
+      continue;
+    }
+    // An MXFP4 pair: packed bytes + scales copied as they are, or fp32/bf16 quantized here.
+    const std::string scale_key = scale_name_of(p->name);
+    const auto sit = by_name.find(scale_key);
+    MOE_CHECK(sit != by_name.end() && sit->second->format == ParamFormat::Mxfp4Scales,
+              "internal: MXFP4 weight '{}' has no scale parameter '{}'", p->name, scale_key);
+    Param* q = sit->second;
+    filled_by_pair.insert(q);
+    const Shape unpacked = {p->value.dim(0), p->value.dim(1) * 2};
+    if (is_byte_dtype(e.dtype)) {
+      MOE_CHECK(e.shape == p->value.shape(),
+                "{}: packed tensor '{}' has shape {}, the model expects {} ([out, in/2] bytes)",
+                file, p->name, shape_str(e.shape), shape_str(p->value.shape()));
+      const SafetensorsReader* sreader = weights.find(scale_key);
+      // Never an implicit scale of 1: the bytes mean nothing without their block scales.
+      MOE_CHECK(sreader != nullptr,
+                "{}: MXFP4 weight '{}' ({}) has no scale tensor '{}' (F8_E8M0 {}) in {}; packed "
+                "weights cannot be used without their block scales", file, p->name, e.dtype,
+                scale_key, shape_str(q->value.shape()), weights.dir().string());
+      const SafetensorsEntry& se = sreader->entry(scale_key);
+      MOE_CHECK(se.dtype == "F8_E8M0" || se.dtype == "U8",
+                "{}: scale tensor '{}' has dtype {}, expected F8_E8M0", sreader->path().string(),
+                scale_key, se.dtype);
+      MOE_CHECK(se.shape == q->value.shape(),
+                "{}: scale tensor '{}' has shape {}, the model expects {} ([out, in/32])",
+                sreader->path().string(), scale_key, shape_str(se.shape),
+                shape_str(q->value.shape()));
+      sources.push_back({Source::Copy, p, reader});
+      sources.push_back({Source::Copy, q, sreader});
+    } else {
+      MOE_CHECK(e.dtype == "F32" || e.dtype == "BF16",
+                "{}: tensor '{}' has dtype {}; an MXFP4 expert loads from I8 + F8_E8M0 scales, "
+                "or from F32/BF16 (quantized on load)", file, p->name, e.dtype);
+      MOE_CHECK(e.shape == unpacked, "{}: tensor '{}' has shape {}, the model expects {}", file,
+                p->name, shape_str(e.shape), shape_str(unpacked));
+      sources.push_back({Source::Quantize, p, reader, q});
+    }
   }
+  for (Param* p : params)
+    MOE_CHECK(p->format != ParamFormat::Mxfp4Scales || filled_by_pair.contains(p),
+              "internal: MXFP4 scales '{}' without their weight", p->name);
   if (!missing.empty()) {
     std::string more;
     if (missing.size() > 1) more = fmt::format(" (and {} more missing)", missing.size() - 1);
@@ -116,10 +200,26 @@ void load_weights(const SafetensorsSet& weights, const ParamList& params) {
          more);
   }
   for (const Source& s : sources) {
-    if (s.reader)
-      s.reader->read_into(s.param->name, s.param->value);
-    else
-      s.param->value.zero();
+    switch (s.kind) {
+      case Source::Copy: s.reader->read_into(s.param->name, s.param->value); break;
+      case Source::Zero: s.param->value.zero(); break;
+      case Source::Quantize: {
+        // Row by row through a one-row buffer: the fp32 matrix never exists in memory.
+        const SafetensorsEntry& e = s.reader->entry(s.param->name);
+        const int64_t cols = e.shape[1];
+        const bool bf16 = e.dtype == "BF16";
+        std::vector<uint16_t> raw(bf16 ? static_cast<size_t>(cols) : 0);
+        quantize_rows_into(*s.param, *s.scales, [&](int64_t r, float* row) {
+          if (!bf16) {
+            s.reader->read_bytes(e, r * cols * 4, cols * 4, row);
+            return;
+          }
+          s.reader->read_bytes(e, r * cols * 2, cols * 2, raw.data());
+          for (int64_t j = 0; j < cols; ++j) row[j] = bf16_to_f32(raw[static_cast<size_t>(j)]);
+        });
+        break;
+      }
+    }
   }
 }
 
@@ -146,12 +246,12 @@ void save_model(const fs::path& dir, const ModelConfig& cfg, const ParamList& pa
     MOE_CHECK(p != nullptr && p->value.defined(), "save_model: parameter '{}' has no value",
               p ? p->name : "?");
     MOE_CHECK(names.insert(p->name).second, "save_model: parameter '{}' is listed twice", p->name);
-    const int64_t bytes = p->value.numel() * dtype_size(dtype);
+    const int64_t bytes = p->packed() ? p->value.nbytes() : p->value.numel() * dtype_size(dtype);
     if (bytes > 0 && !shards.back().empty() && shard_bytes.back() + bytes > max_shard_bytes) {
       shards.emplace_back();
       shard_bytes.push_back(0);
     }
-    shards.back().push_back({p->name, p->value, file_dtype});
+    shards.back().push_back({p->name, p->value, file_dtype_of(*p, file_dtype)});
     shard_bytes.back() += bytes;
     total_bytes += bytes;
   }
@@ -193,7 +293,7 @@ void save_model_shard(const fs::path& dir, int64_t shard, int64_t shards, const 
             "save_model_shard: weights are saved as F32 or BF16, not {}", dtype_name(dtype));
   create_model_dir(dir);
   std::vector<SafetensorsWriteItem> items;
-  for (const Param* p : params) items.push_back({p->name, p->value, dtype_name(dtype)});
+  for (const Param* p : params) items.push_back({p->name, p->value, file_dtype_of(*p, dtype_name(dtype))});
   write_safetensors_with_dtypes(dir / shard_file_name(shard, shards), items, kWeightsMetadata);
 }
 

@@ -200,6 +200,12 @@ ModelConfig parse_hf_config(const json& j, const std::string& source) {
   c.torch_dtype = f.string_or(dtype_key, "float32");
   if (c.torch_dtype != "float32" && c.torch_dtype != "bfloat16")
     f.bad_value(dtype_key, "\"bfloat16\" or \"float32\"", json(c.torch_dtype));
+  // Packed routed experts are described the way transformers describes gpt-oss's. Other
+  // methods (DeepSeek-V3's own "fp8") describe weight files this engine reads only as F32/BF16:
+  // their tensors are rejected by dtype when loaded, so the config alone stays readable.
+  if (const json* q = f.get("quantization_config");
+      q && q->is_object() && q->value("quant_method", std::string()) == "mxfp4")
+    c.expert_format = "mxfp4";
   c.bos_token_id = token_id(f, "bos_token_id", v2 ? 100000 : 0);
   c.eos_token_id = token_id(f, "eos_token_id", v2 ? 100001 : 1);
 
@@ -283,6 +289,9 @@ json model_config_to_json(const ModelConfig& c) {
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["torch_dtype"] = c.torch_dtype;
+  if (c.mxfp4_experts())
+    j["quantization_config"] = {{"quant_method", "mxfp4"},
+                                {"modules_to_convert", {"mlp.experts"}}};
   j["bos_token_id"] = c.bos_token_id;
   j["eos_token_id"] = c.eos_token_id;
   j["use_cache"] = true;

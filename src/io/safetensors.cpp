@@ -363,14 +363,14 @@ void write_converted(AtomicFileWriter& out, const Tensor& t, const std::string& 
 
 }  // namespace
 
-void write_safetensors_with_dtypes(const std::filesystem::path& path,
-                                   const std::vector<SafetensorsWriteItem>& items,
-                                   const SafetensorsMetadata& metadata) {
-  const std::string file = path.string();
-  std::vector<ResolvedItem> resolved;
-  resolved.reserve(items.size());
+namespace {
+
+// The 8-byte length plus the JSON header (tensors in the given order, which is also their data
+// order), padded with spaces so the data starts 8-byte aligned, as the reference writer does:
+// memory-mapped readers can then view F32/I64 tensors in place.
+std::string encode_header(const std::string& file, const std::vector<SafetensorsLayoutItem>& items,
+                          const SafetensorsMetadata& metadata) {
   std::set<std::string_view> names;
-  // ordered_json keeps the tensors in the caller's order, which is also their data order.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   int64_t offset = 0;
@@ -378,12 +378,13 @@ void write_safetensors_with_dtypes(const std::filesystem::path& path,
     MOE_CHECK(item.name != "__metadata__", "{}: '__metadata__' is reserved and cannot name a "
               "tensor", file);
     MOE_CHECK(names.insert(item.name).second, "{}: tensor '{}' is given twice", file, item.name);
-    resolved.push_back(resolve(file, item));
-    const ResolvedItem& r = resolved.back();
-    header[item.name] = {{"dtype", r.dtype},
-                         {"shape", item.tensor.shape()},
-                         {"data_offsets", {offset, offset + r.nbytes}}};
-    offset += r.nbytes;
+    const int bits = safetensors_dtype_bits(item.dtype);
+    MOE_CHECK(bits > 0, "{}: tensor '{}': unknown dtype '{}'", file, item.name, item.dtype);
+    const int64_t nbytes = shape_numel(item.shape) * bits / 8;
+    header[item.name] = {{"dtype", item.dtype},
+                         {"shape", item.shape},
+                         {"data_offsets", {offset, offset + nbytes}}};
+    offset += nbytes;
   }
   std::string text;
   try {
@@ -392,18 +393,58 @@ void write_safetensors_with_dtypes(const std::filesystem::path& path,
     fail("{}: cannot encode the header (tensor names and metadata must be UTF-8): {}", file,
          ex.what());
   }
-  // The data buffer then starts 8-byte aligned, so memory-mapped readers can view F32/I64
-  // tensors in place; the reference writer pads with spaces the same way.
   text.append((8 - text.size() % 8) % 8, ' ');
-  unsigned char len_bytes[8];
-  uint64_t len = text.size();
-  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
+  std::string out(8, '\0');
+  const uint64_t len = text.size();
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>(len >> (8 * i));
+  return out + text;
+}
 
+}  // namespace
+
+void write_safetensors_with_dtypes(const std::filesystem::path& path,
+                                   const std::vector<SafetensorsWriteItem>& items,
+                                   const SafetensorsMetadata& metadata) {
+  const std::string file = path.string();
+  std::vector<ResolvedItem> resolved;
+  std::vector<SafetensorsLayoutItem> layout;
+  resolved.reserve(items.size());
+  for (const auto& item : items) {
+    resolved.push_back(resolve(file, item));
+    layout.push_back({item.name, resolved.back().dtype, item.tensor.shape()});
+  }
+  const std::string header = encode_header(file, layout, metadata);
   AtomicFileWriter out(path);
-  out.write(len_bytes, 8);
-  out.write(text);
+  out.write(header);
   for (const auto& r : resolved) write_converted(out, r.item->tensor, r.dtype);
   out.commit();
+}
+
+SafetensorsStreamWriter::SafetensorsStreamWriter(const std::filesystem::path& path,
+                                                 std::vector<SafetensorsLayoutItem> items,
+                                                 const SafetensorsMetadata& metadata)
+    : out_(std::make_unique<AtomicFileWriter>(path)) {
+  const std::string header = encode_header(path.string(), items, metadata);
+  for (const auto& item : items)
+    data_bytes_ += shape_numel(item.shape) * safetensors_dtype_bits(item.dtype) / 8;
+  out_->write(header);
+  header_bytes_ = static_cast<int64_t>(header.size());
+}
+
+SafetensorsStreamWriter::~SafetensorsStreamWriter() = default;
+
+void SafetensorsStreamWriter::append(const void* data, int64_t size) {
+  MOE_CHECK(out_->bytes_written() - header_bytes_ + size <= data_bytes_,
+            "{}: more data than the header announces ({} bytes)", out_->target().string(),
+            data_bytes_);
+  if (size > 0) out_->write(data, static_cast<size_t>(size));
+}
+
+void SafetensorsStreamWriter::commit() {
+  MOE_CHECK(out_->bytes_written() - header_bytes_ == data_bytes_,
+            "{}: {} data bytes written, the header announces {}", out_->target().string(),
+            out_->bytes_written() - header_bytes_, data_bytes_);
+  out_->commit();
 }
 
 void write_safetensors(const std::filesystem::path& path,

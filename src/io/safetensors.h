@@ -93,6 +93,32 @@ void write_safetensors(const std::filesystem::path& path,
                        const std::vector<std::pair<std::string, Tensor>>& tensors,
                        const SafetensorsMetadata& metadata = {});
 
+// A file written tensor by tensor, for files larger than memory (`moe quantize`): the header
+// announces every tensor (name, file dtype, shape) up front, then append() supplies their bytes
+// in that order, in pieces of any size; commit() checks the count and publishes the file
+// atomically. Destroyed without commit(), it leaves no file behind.
+struct SafetensorsLayoutItem {
+  std::string name;
+  std::string dtype;
+  Shape shape;
+};
+
+class AtomicFileWriter;
+
+class SafetensorsStreamWriter {
+ public:
+  SafetensorsStreamWriter(const std::filesystem::path& path,
+                          std::vector<SafetensorsLayoutItem> items,
+                          const SafetensorsMetadata& metadata = {});
+  ~SafetensorsStreamWriter();
+  void append(const void* data, int64_t size);
+  void commit();
+
+ private:
+  std::unique_ptr<AtomicFileWriter> out_;
+  int64_t header_bytes_ = 0, data_bytes_ = 0;
+};
+
 inline constexpr const char* kSafetensorsSingleFile = "model.safetensors";
 inline constexpr const char* kSafetensorsIndexFile = "model.safetensors.index.json";
 

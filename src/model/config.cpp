@@ -45,6 +45,19 @@ void ModelConfig::validate(const std::string& source) const {
   MOE_CHECK(torch_dtype == "float32" || torch_dtype == "bfloat16",
             "{}: field 'torch_dtype' must be \"float32\" or \"bfloat16\", got \"{}\"", source,
             torch_dtype);
+  MOE_CHECK(expert_format == "fp32" || expert_format == "mxfp4",
+            "{}: routed expert format must be \"fp32\" or \"mxfp4\", got \"{}\"", source,
+            expert_format);
+  if (mxfp4_experts()) {
+    MOE_CHECK(n_routed_experts > 0, "{}: quantization_config asks for MXFP4 routed experts, but "
+              "the model has none (n_routed_experts = 0)", source);
+    // A scale covers 32 consecutive inputs of every expert matrix (gate/up: hidden_size, down:
+    // moe_intermediate_size).
+    MOE_CHECK(hidden_size % 32 == 0 && moe_intermediate_size % 32 == 0,
+              "{}: MXFP4 experts need hidden_size and moe_intermediate_size divisible by 32 "
+              "(32-element scale blocks), got {} and {}", source, hidden_size,
+              moe_intermediate_size);
+  }
   if (n_routed_experts > 0) {
     positive(moe_intermediate_size, "moe_intermediate_size");
     MOE_CHECK(n_shared_experts >= 0, "{}: field 'n_shared_experts' must be >= 0", source);

@@ -48,10 +48,14 @@ struct ModelConfig {
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
   std::string torch_dtype = "float32";  // dtype used when saving: float32 | bfloat16
+  // Routed experts: "fp32" (trainable) or "mxfp4" (frozen, packed; config.json
+  // quantization_config.quant_method = "mxfp4").
+  std::string expert_format = "fp32";
   int64_t bos_token_id = 0;
   int64_t eos_token_id = 1;
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  bool mxfp4_experts() const { return expert_format == "mxfp4"; }
   bool is_moe_layer(int64_t layer) const {
     return n_routed_experts > 0 && layer >= first_k_dense_replace && layer % moe_layer_freq == 0;
   }

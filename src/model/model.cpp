@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/activations.h"
+#include "moe/mxfp4_expert_weights.h"
 
 namespace moe {
 
@@ -111,7 +112,20 @@ void DeepSeekModel::init_weights(uint64_t seed) {
     const std::string suf(suffix);
     return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
   };
-  for (Param* p : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param* p = params_[i];
+    if (p->format == ParamFormat::Mxfp4Scales) continue;  // written with its data, below
+    const bool residual_out = ends_with(p->name, "o_proj.weight") || ends_with(p->name, "down_proj.weight");
+    const float s = residual_out ? out_std : std_dev;
+    if (p->format == ParamFormat::Mxfp4Data) {
+      // The values an fp32 model draws for the same name, quantized row by row: a packed
+      // model is exactly the quantized fp32 one, and no fp32 matrix exists on the way.
+      Rng rng(seed ^ fnv1a(p->name.c_str()));
+      quantize_rows_into(*p, mxfp4_scales_of(i), [&](int64_t, float* row) {
+        for (int64_t j = 0; j < 2 * p->value.dim(1); ++j) row[j] = s * rng.normal();
+      });
+      continue;
+    }
     float* w = p->w();
     const int64_t n = p->value.numel();
     if (ends_with(p->name, "norm.weight") || ends_with(p->name, "layernorm.weight")) {
@@ -122,11 +136,18 @@ void DeepSeekModel::init_weights(uint64_t seed) {
       std::fill(w, w + n, 0.0f);
       continue;
     }
-    const bool residual_out = ends_with(p->name, "o_proj.weight") || ends_with(p->name, "down_proj.weight");
-    const float s = residual_out ? out_std : std_dev;
     Rng rng(seed ^ fnv1a(p->name.c_str()));
-    for (int64_t i = 0; i < n; ++i) w[i] = s * rng.normal();
+    for (int64_t j = 0; j < n; ++j) w[j] = s * rng.normal();
   }
+}
+
+const Param& DeepSeekModel::mxfp4_scales_of(size_t data_index) const {
+  // Packed stores list each matrix as its data then its scales.
+  const Param* data = params_[data_index];
+  MOE_CHECK(data_index + 1 < params_.size() &&
+                params_[data_index + 1]->format == ParamFormat::Mxfp4Scales,
+            "internal: MXFP4 weight '{}' is not followed by its scales", data->name);
+  return *params_[data_index + 1];
 }
 
 void DeepSeekModel::allocate_grads() {

@@ -64,6 +64,7 @@ class DeepSeekModel {
 
  private:
   Tensor hidden_states(const Tensor& tokens, const BatchShape& shape, Pass pass);
+  const Param& mxfp4_scales_of(size_t data_index) const;
 
   ModelConfig cfg_;
   std::shared_ptr<Dispatcher> dispatcher_;

@@ -1,6 +1,7 @@
 #pragma once
 // A trainable (or frozen) parameter: fp32 master value plus a gradient that exists only while
 // the model trains. `name` is the Hugging Face checkpoint key.
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -8,12 +9,20 @@
 
 namespace moe {
 
+// How a parameter's value is stored. Frozen routed experts in MXFP4 (SPEC §5) are two U8
+// tensors per matrix W [out, in]: `<key>.weight` the E2M1 pairs [out, in/2] (element 2i in the
+// low nibble; on disk dtype I8) and `<key>.scale` the E8M0 block scales [out, in/32] (on disk
+// F8_E8M0). Neither has a gradient.
+enum class ParamFormat { F32, Mxfp4Data, Mxfp4Scales };
+
 struct Param {
   std::string name;
   Tensor value;  // MemCategory::Weights
   Tensor grad;   // MemCategory::Grads; undefined until allocate_grad()
   bool weight_decay = true;  // false for norms, biases and the router correction bias
   bool trainable = true;     // false for frozen weights and for the bias (updated by balancing)
+  ParamFormat format = ParamFormat::F32;
+  bool packed() const { return format != ParamFormat::F32; }
 
   void init(std::string key, const Shape& shape, bool decay) {
     name = std::move(key);
@@ -31,6 +40,13 @@ struct Param {
 };
 
 using ParamList = std::vector<Param*>;
+
+// Fills one MXFP4 pair (`data`, `scales`: the two Params of a matrix [out, in]) row by row:
+// `row(r, values)` writes row r's `in` fp32 values, which are quantized straight into the pair.
+// Streaming one row at a time is what keeps initialising or loading packed experts free of any
+// full-precision matrix.
+void quantize_rows_into(const Param& data, const Param& scales,
+                        const std::function<void(int64_t row, float* values)>& row);
 
 // Whether a backward will follow this forward. Only Train keeps activations and dispatch
 // handles; Eval and Inference forwards must leave nothing behind.

@@ -77,7 +77,10 @@ class DenseExpertWeights : public ExpertWeights {
   void down_backward_input(const ExpertSegments& seg, const float* dy, float* dh) const override;
   void gate_up_backward_input(const ExpertSegments& seg, const float* dg, const float* du,
                               float* dx) const override;
-  bool trainable() const override { return true; }
+  bool trainable() const override { return !frozen_; }
+  // Frozen fp32 experts (the baseline packed experts are measured against): no gradients, no
+  // saved inputs. Call before allocate_grads.
+  void freeze();
   void gate_up_backward_weight(const ExpertSegments& seg, const float* dg, const float* du,
                                const float* x) override;
   void down_backward_weight(const ExpertSegments& seg, const float* dy, const float* h) override;
@@ -101,6 +104,7 @@ class DenseExpertWeights : public ExpertWeights {
  private:
   int64_t dim_ = 0, hidden_ = 0;
   ExpertRange range_;
+  bool frozen_ = false;
   Tensor gate_up_, down_, gate_up_grad_, down_grad_;
   std::vector<Param> params_;  // sized once in init: ParamList holds pointers into it
 };

@@ -8,6 +8,7 @@
 #include "core/parallel.h"
 #include "kernels/activations.h"
 #include "kernels/gemm.h"
+#include "moe/mxfp4_expert_weights.h"
 #include "kernels/vector_math.h"
 
 namespace moe {
@@ -48,10 +49,17 @@ void MoELayer::init(const std::string& prefix, const ModelConfig& cfg, Dispatche
   gate_bias.init(prefix + "gate.e_score_correction_bias", {E}, /*decay=*/false);
   gate_bias.trainable = false;
 
-  auto dense = std::make_unique<DenseExpertWeights>();
-  dense->init(prefix, local_, dim_, hidden_);
-  dense_ = dense.get();
-  experts_ = std::move(dense);
+  if (cfg.mxfp4_experts()) {
+    auto packed = std::make_unique<Mxfp4ExpertWeights>();
+    packed->init(prefix, local_, dim_, hidden_);
+    packed_ = packed.get();
+    experts_ = std::move(packed);
+  } else {
+    auto dense = std::make_unique<DenseExpertWeights>();
+    dense->init(prefix, local_, dim_, hidden_);
+    dense_ = dense.get();
+    experts_ = std::move(dense);
+  }
 
   if (cfg.n_shared_experts > 0) {
     shared_ = std::make_unique<SwiGLU>();

@@ -28,6 +28,8 @@
 
 namespace moe {
 
+class Mxfp4ExpertWeights;
+
 class MoELayer {
  public:
   // prefix like "model.layers.3.mlp."; keys gate.weight [E, dim], gate.e_score_correction_bias
@@ -59,8 +61,9 @@ class MoELayer {
   const RouterConfig& router_config() const { return router_; }
   ExpertRange local_experts() const { return local_; }
   ExpertWeights& experts() { return *experts_; }
-  // The fp32 expert store (null once a packed store replaces it).
+  // The fp32 expert store, or the MXFP4 one (ModelConfig::expert_format); the other is null.
   DenseExpertWeights* dense_experts() { return dense_; }
+  Mxfp4ExpertWeights* mxfp4_experts() { return packed_; }
   SwiGLU* shared_experts() { return shared_.get(); }
 
   Param gate_weight;  // [E, dim]
@@ -84,6 +87,7 @@ class MoELayer {
   Dispatcher* dispatcher_ = nullptr;
   std::unique_ptr<ExpertWeights> experts_;
   DenseExpertWeights* dense_ = nullptr;
+  Mxfp4ExpertWeights* packed_ = nullptr;
   std::unique_ptr<SwiGLU> shared_;
   std::vector<int64_t> counts_;
   double aux_loss_ = 0.0;

@@ -26,6 +26,7 @@ ConfigKeys bind(TrainConfig& c) {
   ConfigKeys k;
   k.add_string("model.preset", &c.model.preset);
   k.add_optional_string("model.weights", &c.model.weights);
+  k.add_string("model.experts", &c.model.experts, {"auto", "fp32", "mxfp4"});
 
   k.add_string_list("data.path", &c.data.path);
   k.add_string("data.format", &c.data.format, {"auto", "text", "jsonl"});
@@ -248,7 +249,8 @@ ModelConfig resolve_train_model(const TrainConfig& cfg, int64_t vocab_size, int6
       std::string fields;
       for (const auto& [f, v] : j.items())
         if (!owned.count(f) && !unused.count(f)) fields += (fields.empty() ? "" : ", ") + f;
-      fail("model.{}: unknown model config field (fields: preset, weights, {})", key, fields);
+      fail("model.{}: unknown model config field (fields: preset, weights, experts, {})", key,
+           fields);
     }
     j[key] = value;
   }
@@ -256,6 +258,8 @@ ModelConfig resolve_train_model(const TrainConfig& cfg, int64_t vocab_size, int6
   j["bos_token_id"] = end_of_text;
   j["eos_token_id"] = end_of_text;
   ModelConfig m = parse_hf_config(j, "config [model]");
+  if (cfg.model.experts != "auto") m.expert_format = cfg.model.experts;
+  m.validate("config [model] with experts = \"" + cfg.model.experts + "\"");
   MOE_CHECK(cfg.data.seq_len <= m.max_position_embeddings,
             "data.seq_len: expected an integer <= model.max_position_embeddings ({}), got {}",
             m.max_position_embeddings, cfg.data.seq_len);

@@ -20,6 +20,9 @@ struct TrainConfig {
     // A model directory (Hugging Face layout) whose weights start the run instead of a random
     // initialisation; under expert parallelism each rank reads only its own experts.
     std::string weights;
+    // Routed experts: "fp32" (trained), "mxfp4" (frozen, packed 4.25 bits per weight, decoded
+    // inside the matmuls; everything else trains), "auto": as the preset's config.json says.
+    std::string experts = "auto";
     // Any Hugging Face config.json field, applied on top of the preset (e.g. num_hidden_layers).
     nlohmann::json overrides = nlohmann::json::object();
   } model;

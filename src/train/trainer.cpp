@@ -18,6 +18,7 @@
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
 #include "model/model.h"
+#include "moe/mxfp4_expert_weights.h"
 #include "report/training_report.h"
 #include "train/adamw.h"
 #include "train/evaluation.h"
@@ -253,6 +254,19 @@ class TrainingRun {
         tokenizer_->vocab_size(), corpus_.train.size(),
         cfg_.data.seq_len, format_count(static_cast<double>(corpus_.val.tokens().size())),
         corpus_.train_unigram_entropy));
+    if (mc_.mxfp4_experts()) {
+      int64_t bytes = 0, weights = 0;
+      for (MoELayer* m : model_.moe_layers()) {
+        bytes += m->mxfp4_experts()->bytes();
+        const ExpertWeights& x = m->experts();
+        weights += x.experts().count * 3 * x.dim() * x.hidden();
+      }
+      say(fmt::format("routed experts: MXFP4, frozen: {} for {} weights on this rank ({:.2f} bits "
+                      "per weight), decoded inside the expert matmuls; everything else trains",
+                      format_bytes(bytes), format_count(static_cast<double>(weights)),
+                      weights > 0 ? 8.0 * static_cast<double>(bytes) / static_cast<double>(weights)
+                                  : 0.0));
+    }
     const int w = world().size(), e = groups_.ep_size;
     if (w > 1)
       say(fmt::format("parallel: {} ranks, expert-parallel size {}: {} of {} routed experts per "

@@ -1,0 +1,101 @@
+#include "core/block_cache.h"
+
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <iterator>
+#include <map>
+#include <mutex>
+
+#include "core/error.h"
+#include "core/memory.h"
+
+namespace moe {
+
+namespace {
+
+// Large blocks are 2 MiB multiples, 2 MiB aligned: huge-page friendly, and similar requests
+// (row counts vary a little from step to step with the routing) map to the same sizes.
+constexpr size_t kGranule = size_t{2} << 20;
+
+size_t round_large(size_t bytes) { return (bytes + kGranule - 1) / kGranule * kGranule; }
+
+struct Cache {
+  std::mutex mutex;
+  std::multimap<size_t, void*> free_blocks;  // by size
+  size_t cached = 0;
+  int64_t hits = 0, misses = 0;
+};
+
+Cache& cache() {
+  static Cache* c = new Cache;  // never destroyed: tensors may be freed during static teardown
+  return *c;
+}
+
+void* fresh(size_t bytes, size_t alignment) {
+  void* p = std::aligned_alloc(alignment, bytes);
+  MOE_CHECK(p != nullptr, "out of memory allocating {}", format_bytes(static_cast<int64_t>(bytes)));
+#ifdef MADV_HUGEPAGE
+  if (alignment == kGranule) madvise(p, bytes, MADV_HUGEPAGE);  // a hint; failure is harmless
+#endif
+  return p;
+}
+
+}  // namespace
+
+HostBlock allocate_block(size_t bytes) {
+  if (bytes < kMinCachedBlock) {
+    const size_t size = (bytes + 63) & ~size_t{63};
+    return {fresh(size, 64), size};
+  }
+  const size_t size = round_large(bytes);
+  Cache& c = cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    // The smallest cached block that fits, unless it would waste more than half of itself.
+    const auto it = c.free_blocks.lower_bound(size);
+    if (it != c.free_blocks.end() && it->first <= 2 * size) {
+      const HostBlock b{it->second, it->first};
+      c.cached -= it->first;
+      c.free_blocks.erase(it);
+      ++c.hits;
+      return b;
+    }
+    ++c.misses;
+  }
+  return {fresh(size, kGranule), size};
+}
+
+void free_block(const HostBlock& block) {
+  if (block.data == nullptr) return;
+  if (block.reserved < kMinCachedBlock) {
+    std::free(block.data);
+    return;
+  }
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.free_blocks.emplace(block.reserved, block.data);
+  c.cached += block.reserved;
+  while (c.cached > kMaxCachedBytes) {  // the largest go first: they free the most per call
+    auto largest = std::prev(c.free_blocks.end());
+    c.cached -= largest->first;
+    std::free(largest->second);
+    c.free_blocks.erase(largest);
+  }
+}
+
+BlockCacheStats block_cache_stats() {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return {static_cast<int64_t>(c.cached), c.hits, c.misses};
+}
+
+void release_cached_blocks() {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  for (auto& [size, p] : c.free_blocks) std::free(p);
+  c.free_blocks.clear();
+  c.cached = 0;
+}
+
+}  // namespace moe

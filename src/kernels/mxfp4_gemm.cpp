@@ -1,0 +1,616 @@
+#include "kernels/mxfp4_gemm.h"
+
+// Fused MXFP4 matmuls. Design in one place:
+//
+// * Decode. A 32-element block is 16 bytes + 1 scale byte. One vector load + widening of N bytes
+//   to N u32 lanes gives byte j in lane j; its low nibble is element 2j, its high nibble element
+//   2j+1. A table lookup of the nibble in a 16-entry "E2M1 value × block scale" vector
+//   (TableLookupLanes, vpermps on AVX-512) decodes N elements in one instruction, with no
+//   branches and the scale already applied. Decoded values are bit-identical to
+//   mxfp4::dequantize_row (the product value·2^k is exact).
+//
+// * Split order. That decode yields even elements in one vector (E) and odd elements in the
+//   next (O), for each group of N bytes. The contraction never needs the natural order: in
+//   y = x·Wᵀ we permute x the same way once per call (LoadInterleaved2), and in dx = dy·W the
+//   outputs come out split and are re-interleaved once per stored tile (StoreInterleaved2).
+//
+// * One arithmetic for every m. For a given target, each output element is computed by the
+//   same sequence of fp32 operations whatever m, the blocking or the path (fused or buffered):
+//     nt: per contraction chunk of kKc columns, one vector accumulator per (x row, W row)
+//         gets MulAdd(x_k, w_k) over the split-order vectors k in order, then its lanes are
+//         summed by a fixed tree (adjacent lanes first), then y = sum (first chunk without
+//         accumulate) or y += sum;
+//     nn: per contraction chunk of kKr rows of W, a vector accumulator per (dy row, 16-column
+//         group) gets MulAdd(dy[i][r], w[r]) for r in order, then dx = acc or dx += acc.
+//   So results depend on the shapes only, and a call on a subset of the x / dy rows or of the
+//   W rows (nt) / column blocks (nn) reproduces the bits of those outputs in the full call.
+//
+// * Two paths with that arithmetic. Small m (<= 8 rows): "fused" tiles decode each W block in
+//   registers and use it at once against all m rows — one pass over the packed bytes, which
+//   is what the memory-bound regime needs. Larger m: "buffered" tiles decode a few W rows (nt)
+//   or a W panel (nn) into scratch once and reuse them across all x / dy row blocks from L1/L2,
+//   so the decode cost is amortised over the rows and the inner loop is pure FMAs.
+//
+// * Scratch, per thread (thread_local, 64-byte aligned, kept between calls), bounded
+//   independently of the matrix — larger operands are walked chunk by chunk:
+//     nt: the split-order x panel, at most kMc × kKc floats (256 KiB), plus on the buffered
+//         path B decoded W rows of kKc floats (B = 6 on AVX-512: 24 KiB);
+//     nn: on the buffered path a decoded W panel of kKr rows × 64 columns (64 KiB); the fused
+//         path needs none.
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstring>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/mxfp4.h"
+
+#ifndef MOE_KERNELS_MXFP4_GEMM_SHARED
+#define MOE_KERNELS_MXFP4_GEMM_SHARED
+namespace moe::mxfp4_detail {
+
+using mxfp4::kBlock;
+// nt contraction chunk (columns of W) and x panel height: the panel (256 KiB) stays in L2 while
+// every W row of the chunk passes over it; 1024 columns keep the per-output lane reduction
+// (a few shuffles) small next to its 64 FMAs.
+inline constexpr int64_t kKc = 1024;
+inline constexpr int64_t kMc = 64;
+// nn contraction chunk (rows of W): accumulators are stored into dx once per chunk.
+inline constexpr int64_t kKr = 256;
+
+// E8M0 byte -> float for all 256 bytes, built from bit patterns: 2^(e-127) is the normal float
+// with exponent field e for e in 1..254, the subnormal 0x00400000 for e = 0, and NaN for 255.
+inline constexpr std::array<float, 256> kScale = [] {
+  std::array<float, 256> t{};
+  for (uint32_t e = 0; e < 256; ++e)
+    t[e] = std::bit_cast<float>(e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23);
+  return t;
+}();
+
+alignas(64) inline constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,
+                                                4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,
+                                                -2.0f, -3.0f, -4.0f, -6.0f};
+
+// Stand-ins for rows / blocks past the end of a tile, so the unrolled kernels never branch:
+// packed zeros decode to +0 and zero dy rows add nothing. The stand-in scale is 2^0, not byte 0:
+// 2^-127 would make the scaled decode table subnormal, and subnormal results cost a microcode
+// assist each on x86 (measured: a 1024 × 704 nn call at m = 1, whose last column tile has two
+// stand-in blocks, ran about 3.5× slower).
+alignas(64) inline constexpr uint8_t kZeroBytes[kKc / 2] = {};
+alignas(64) inline constexpr auto kUnitScales = [] {
+  std::array<uint8_t, kKc / kBlock> t{};
+  t.fill(127);
+  return t;
+}();
+alignas(64) inline constexpr float kZeroFloats[std::max(kKc, kKr)] = {};
+
+// Per-thread scratch slot (0 or 1), 64-byte aligned, grown on demand and kept for later calls.
+inline float* thread_scratch(int slot, int64_t floats) {
+  thread_local std::vector<float> buf[2];
+  std::vector<float>& b = buf[slot];
+  if (static_cast<int64_t>(b.size()) < floats + 16) b.resize(static_cast<size_t>(floats + 16));
+  const auto p = reinterpret_cast<uintptr_t>(b.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t{63});
+}
+
+inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+}  // namespace moe::mxfp4_detail
+#endif  // MOE_KERNELS_MXFP4_GEMM_SHARED
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/mxfp4_gemm.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/cache_control.h>
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace moe {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using namespace moe::mxfp4_detail;
+
+// At most 16 lanes: a whole E2M1 table then fits one vector.
+using D = hn::CappedTag<float, 16>;
+using V = hn::Vec<D>;
+constexpr int64_t kN = static_cast<int64_t>(hn::MaxLanes(D()));
+constexpr int64_t kGroups = 16 / kN;  // groups of kN bytes per block
+constexpr int64_t kVecsPerBlock = 32 / kN;
+
+// Decodes the groups of one block (see the top of the file): group q (kN bytes at bytes +
+// q·kN) gives E = its low nibbles (even elements), O = its high nibbles (odd elements).
+template <int64_t N>
+class BlockDecoder {
+ public:
+  explicit BlockDecoder(uint8_t scale_byte) {
+    const D d;
+    const float s = kScale[scale_byte];
+    if constexpr (N >= 8) {
+      // 16 lanes: the signed 16-entry table. 8 lanes: the 8 magnitudes, sign added from bit 3.
+      table_ = hn::Mul(hn::Load(d, kE2M1), hn::Set(d, s));
+    } else {
+      for (int i = 0; i < 16; ++i) lut_[i] = kE2M1[i] * s;
+    }
+  }
+
+  HWY_INLINE void group(const uint8_t* bytes, V& e, V& o) const {
+    const D d;
+    const hn::RebindToUnsigned<D> du;
+    const hn::Rebind<uint8_t, D> d8;
+    if constexpr (N >= 16) {
+      const auto b = hn::PromoteTo(du, hn::LoadU(d8, bytes));
+      e = hn::TableLookupLanes(table_, hn::IndicesFromVec(d, hn::And(b, hn::Set(du, 15u))));
+      o = hn::TableLookupLanes(table_, hn::IndicesFromVec(d, hn::ShiftRight<4>(b)));
+    } else if constexpr (N == 8) {
+      const auto b = hn::PromoteTo(du, hn::LoadU(d8, bytes));
+      const auto seven = hn::Set(du, 7u), sign = hn::Set(du, 0x80000000u);
+      const auto mag_e = hn::TableLookupLanes(table_, hn::IndicesFromVec(d, hn::And(b, seven)));
+      const auto mag_o =
+          hn::TableLookupLanes(table_, hn::IndicesFromVec(d, hn::And(hn::ShiftRight<4>(b), seven)));
+      // Nibble sign bits are byte bits 3 and 7; moved to bit 31 they flip the float sign.
+      e = hn::Xor(mag_e, hn::BitCast(d, hn::And(hn::ShiftLeft<28>(b), sign)));
+      o = hn::Xor(mag_o, hn::BitCast(d, hn::And(hn::ShiftLeft<24>(b), sign)));
+    } else {
+      // Narrow targets (SSE4, emulated): no 16-entry table fits a vector; decode via memory.
+      alignas(64) float te[16], to[16];
+      for (int64_t j = 0; j < N; ++j) {
+        te[j] = lut_[bytes[j] & 15];
+        to[j] = lut_[bytes[j] >> 4];
+      }
+      e = hn::Load(d, te);
+      o = hn::Load(d, to);
+    }
+  }
+
+ private:
+  V table_;
+  float lut_[16];
+};
+using Decoder = BlockDecoder<kN>;
+
+// Decodes `blocks` consecutive blocks of one W row into dst in split order.
+HWY_INLINE void decode_blocks(const uint8_t* packed, const uint8_t* scales, int64_t blocks,
+                              float* dst) {
+  const D d;
+  for (int64_t k = 0; k < blocks; ++k) {
+    const Decoder dec(scales[k]);
+    for (int64_t q = 0; q < kGroups; ++q) {
+      V e, o;
+      dec.group(packed + k * 16 + q * kN, e, o);
+      hn::Store(e, d, dst + k * kBlock + 2 * q * kN);
+      hn::Store(o, d, dst + k * kBlock + 2 * q * kN + kN);
+    }
+  }
+}
+
+// Sums the lanes of each of the Count accumulators v[0..Count) into out[0..Count). Batches of
+// kN vectors are folded together (ConcatEven + ConcatOdd add adjacent lanes of two vectors at
+// once), so a whole batch costs about 3 operations per output; each output still sees the one
+// fixed tree (lane pairs (2l, 2l+1), then pairs of those, ...) whatever its batch partners.
+template <int Count>
+HWY_INLINE void reduce_lanes(const V* v, float* out) {
+  const D d;
+  for (int base = 0; base < Count; base += static_cast<int>(kN)) {
+    const int live_in = std::min(static_cast<int>(kN), Count - base);
+    V t[kN];
+#pragma GCC unroll 16
+    for (int j = 0; j < static_cast<int>(kN); ++j) t[j] = j < live_in ? v[base + j] : hn::Zero(d);
+#if HWY_TARGET != HWY_SCALAR  // one lane: nothing to fold
+    int live = live_in;
+#pragma GCC unroll 4
+    for (int64_t width = kN; width > 1; width /= 2) {
+#pragma GCC unroll 16
+      for (int j = 0; j < width / 2; ++j) {
+        if (2 * j >= live) {
+          t[j] = hn::Zero(d);
+          continue;
+        }
+        const V lo = t[2 * j], hi = t[2 * j + 1];
+        t[j] = hn::Add(hn::ConcatEven(d, hi, lo), hn::ConcatOdd(d, hi, lo));
+      }
+      live = (live + 1) / 2;
+    }
+#endif
+    alignas(64) float lanes[kN];
+    hn::Store(t[0], d, lanes);
+    for (int j = 0; j < live_in; ++j) out[base + j] = lanes[j];
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// y = x·Wᵀ
+
+// A x rows (split-order panel rows, stride xs) against B W rows over cc columns; the W rows are
+// decoded on the fly from packed bytes / scales (fused) — out[a·B + b] = lane-summed dot.
+// next_wp / next_ws: the rows of the next tile, prefetched a cache line at a time along the
+// way. W rows are short (a few hundred bytes), so the hardware streamers barely start on one
+// before it ends; without this the small-m kernels waited on DRAM latency instead of bandwidth.
+template <int A, int B>
+HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const* wp,
+                              const uint8_t* const* ws, const uint8_t* const* next_wp,
+                              const uint8_t* const* next_ws, int64_t cc, float* out) {
+  const D d;
+  V acc[A * B];
+#pragma GCC unroll 32
+  for (int i = 0; i < A * B; ++i) acc[i] = hn::Zero(d);
+#pragma GCC unroll 16
+  for (int b = 0; b < B; ++b) hwy::Prefetch(next_ws[b]);
+  for (int64_t k = 0; k < cc / kBlock; ++k) {
+    if (k % 4 == 0) {
+#pragma GCC unroll 16
+      for (int b = 0; b < B; ++b) hwy::Prefetch(next_wp[b] + k * 16);
+    }
+    for (int64_t q = 0; q < kGroups; ++q) {
+      const int64_t col = k * kBlock + 2 * q * kN;
+      if constexpr (A < B) {
+        // Few x rows: keep them in registers and stream the W rows past them.
+        V xe[A], xo[A];
+#pragma GCC unroll 8
+        for (int a = 0; a < A; ++a) {
+          xe[a] = hn::Load(d, xp + a * xs + col);
+          xo[a] = hn::Load(d, xp + a * xs + col + kN);
+        }
+#pragma GCC unroll 16
+        for (int b = 0; b < B; ++b) {
+          V e, o;
+          Decoder(ws[b][k]).group(wp[b] + k * 16 + q * kN, e, o);
+#pragma GCC unroll 8
+          for (int a = 0; a < A; ++a) {
+            acc[a * B + b] = hn::MulAdd(xe[a], e, acc[a * B + b]);
+            acc[a * B + b] = hn::MulAdd(xo[a], o, acc[a * B + b]);
+          }
+        }
+      } else {
+        // Few W rows: decode them all, then stream the x rows.
+        V we[B], wo[B];
+#pragma GCC unroll 16
+        for (int b = 0; b < B; ++b) Decoder(ws[b][k]).group(wp[b] + k * 16 + q * kN, we[b], wo[b]);
+#pragma GCC unroll 8
+        for (int a = 0; a < A; ++a) {
+          const V xe = hn::Load(d, xp + a * xs + col), xo = hn::Load(d, xp + a * xs + col + kN);
+#pragma GCC unroll 16
+          for (int b = 0; b < B; ++b) {
+            acc[a * B + b] = hn::MulAdd(xe, we[b], acc[a * B + b]);
+            acc[a * B + b] = hn::MulAdd(xo, wo[b], acc[a * B + b]);
+          }
+        }
+      }
+    }
+  }
+  reduce_lanes<A * B>(acc, out);
+}
+
+// The same products with W rows already decoded (split order, stride wsd).
+template <int A, int B>
+HWY_INLINE void nt_tile(const float* xp, int64_t xs, const float* wd, int64_t wsd, int64_t cc,
+                        float* out) {
+  const D d;
+  V acc[A * B];
+#pragma GCC unroll 32
+  for (int i = 0; i < A * B; ++i) acc[i] = hn::Zero(d);
+  for (int64_t col = 0; col < cc; col += kN) {
+    V xv[A];
+#pragma GCC unroll 8
+    for (int a = 0; a < A; ++a) xv[a] = hn::Load(d, xp + a * xs + col);
+#pragma GCC unroll 16
+    for (int b = 0; b < B; ++b) {
+      const V w = hn::Load(d, wd + b * wsd + col);
+#pragma GCC unroll 8
+      for (int a = 0; a < A; ++a) acc[a * B + b] = hn::MulAdd(xv[a], w, acc[a * B + b]);
+    }
+  }
+  reduce_lanes<A * B>(acc, out);
+}
+
+// x rows [i0, i0+mi) × columns [c0, c0+cc) into the split-order panel, rows padded with zeros
+// up to a multiple of `a`.
+HWY_INLINE void pack_x(const float* x, int64_t ldx, int64_t mi, int64_t cc, int64_t a,
+                       float* panel) {
+  const D d;
+  for (int64_t i = 0; i < round_up(mi, a); ++i) {
+    float* dst = panel + i * cc;
+    if (i >= mi) {
+      std::memset(dst, 0, sizeof(float) * static_cast<size_t>(cc));
+      continue;
+    }
+    for (int64_t c = 0; c < cc; c += 2 * kN) {
+      V e, o;
+      hn::LoadInterleaved2(d, x + i * ldx + c, e, o);
+      hn::Store(e, d, dst + c);
+      hn::Store(o, d, dst + c + kN);
+    }
+  }
+}
+
+// out[a·B + b] for the na × nb real outputs of a tile into y.
+HWY_INLINE void store_nt(const float* out, int64_t B, int64_t na, int64_t nb, float* y,
+                         int64_t ldy, bool first) {
+  for (int64_t a = 0; a < na; ++a)
+    for (int64_t b = 0; b < nb; ++b) {
+      float& dst = y[a * ldy + b];
+      dst = first ? out[a * B + b] : dst + out[a * B + b];
+    }
+}
+
+template <int A, int B, bool kFused>
+void run_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y, int64_t ldy,
+            bool accumulate) {
+  float* panel = thread_scratch(0, round_up(kMc, A) * kKc);
+  float* wdec = kFused ? nullptr : thread_scratch(1, B * kKc);
+  float out[A * B];
+  for (int64_t c0 = 0; c0 < w.cols; c0 += kKc) {
+    const int64_t cc = std::min(kKc, w.cols - c0);
+    const bool first = c0 == 0 && !accumulate;
+    for (int64_t i0 = 0; i0 < m; i0 += kMc) {
+      const int64_t mi = std::min(kMc, m - i0);
+      pack_x(x + i0 * ldx + c0, ldx, mi, cc, A, panel);
+      for (int64_t r0 = 0; r0 < w.rows; r0 += B) {
+        const int64_t nb = std::min<int64_t>(B, w.rows - r0);
+        // Rows kAhead ahead (a whole number of tiles, at least 8 rows) are prefetched.
+        constexpr int64_t kAhead = B * ((8 + B - 1) / B);
+        const uint8_t *wp[B], *ws[B], *next_wp[B], *next_ws[B];
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t r = r0 + b, rn = r + kAhead;
+          wp[b] = r < w.rows ? w.packed + r * w.packed_stride + c0 / 2 : kZeroBytes;
+          ws[b] = r < w.rows ? w.scales + r * w.scale_stride + c0 / kBlock : kUnitScales.data();
+          next_wp[b] = rn < w.rows ? w.packed + rn * w.packed_stride + c0 / 2 : kZeroBytes;
+          next_ws[b] = rn < w.rows ? w.scales + rn * w.scale_stride + c0 / kBlock : kZeroBytes;
+        }
+        if constexpr (!kFused)
+          for (int64_t b = 0; b < B; ++b) decode_blocks(wp[b], ws[b], cc / kBlock, wdec + b * cc);
+        for (int64_t a0 = 0; a0 < mi; a0 += A) {
+          if constexpr (kFused)
+            nt_fused_tile<A, B>(panel + a0 * cc, cc, wp, ws, next_wp, next_ws, cc, out);
+          else
+            nt_tile<A, B>(panel + a0 * cc, cc, wdec, cc, cc, out);
+          store_nt(out, B, std::min<int64_t>(A, mi - a0), nb,
+                   y + (i0 + a0) * ldy + r0, ldy, first);
+        }
+      }
+    }
+  }
+}
+
+// Tile shapes (A x rows × B W rows) by target width: 16 lanes means AVX-512's 32 registers
+// (A·B accumulators plus operands must fit), 8 lanes AVX2's 16. Up to 8 rows (AVX-512) one
+// fused tile covers all of x, with B large enough for >= 8 independent FMA chains where m is
+// small; beyond that the buffered 4 × 6 tile (24 accumulators, 10 loads per 24 FMAs). The
+// shapes were picked by measurement (bench_mxfp4); none changes the arithmetic.
+template <int64_t N>
+void gemm_nt_dispatch(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
+                      int64_t ldy, bool accumulate) {
+  if constexpr (N >= 16) {
+    switch (m) {
+      case 1: return run_nt<1, 16, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 2: return run_nt<2, 8, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 3: return run_nt<3, 5, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 4: return run_nt<4, 4, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 5: return run_nt<5, 3, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 6: return run_nt<6, 3, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 7: return run_nt<7, 2, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 8: return run_nt<8, 2, true>(m, x, ldx, w, y, ldy, accumulate);
+      default: return run_nt<4, 6, false>(m, x, ldx, w, y, ldy, accumulate);
+    }
+  } else if constexpr (N == 8) {
+    switch (m) {
+      case 1: return run_nt<1, 6, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 2: return run_nt<2, 3, true>(m, x, ldx, w, y, ldy, accumulate);
+      default: return run_nt<2, 4, false>(m, x, ldx, w, y, ldy, accumulate);
+    }
+  } else {
+    return run_nt<2, 2, false>(m, x, ldx, w, y, ldy, accumulate);
+  }
+}
+
+void GemmNT(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y, int64_t ldy,
+            bool accumulate) {
+  gemm_nt_dispatch<kN>(m, x, ldx, w, y, ldy, accumulate);
+}
+
+// ------------------------------------------------------------------------------------------
+// dx = dy·W
+
+// Writes the split-order accumulators of one 32-column block of one dx row in natural order.
+HWY_INLINE void store_nn_block(const V* acc, float* dst, bool overwrite) {
+  const D d;
+  for (int64_t q = 0; q < kGroups; ++q) {
+    V e = acc[2 * q], o = acc[2 * q + 1];
+    float* p = dst + 2 * q * kN;
+    if (!overwrite) {
+      V pe, po;
+      hn::LoadInterleaved2(d, p, pe, po);
+      e = hn::Add(pe, e);
+      o = hn::Add(po, o);
+    }
+    hn::StoreInterleaved2(e, o, d, p);
+  }
+}
+
+// A dy rows against NB 32-column blocks of W over rc rows of W, decoding each W block on the
+// fly. wp/ws: per block, its bytes / scale at the chunk's first row; wstride/sstride: per
+// block, the step to the next row (0 for stand-in blocks).
+template <int A, int NB>
+HWY_INLINE void nn_fused_tile(const float* const* dyr, const uint8_t* const* wp,
+                              const uint8_t* const* ws, const int64_t* wstride,
+                              const int64_t* sstride, int64_t rc, int64_t rows_left,
+                              float* const* dxr, int64_t nbv, int64_t na, bool overwrite) {
+  const D d;
+  constexpr int B = NB * static_cast<int>(kVecsPerBlock);
+  V acc[A * B];
+#pragma GCC unroll 32
+  for (int i = 0; i < A * B; ++i) acc[i] = hn::Zero(d);
+  for (int64_t r = 0; r < rc; ++r) {
+    // W is walked down a column strip, a short piece of each row: prefetch the strip about
+    // 2 KiB ahead (see nt_fused_tile), within this call's rows.
+    constexpr int64_t kAhead = 128 / NB;
+    if (r + kAhead < rows_left) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) hwy::Prefetch(wp[j] + (r + kAhead) * wstride[j]);
+      hwy::Prefetch(ws[0] + (r + kAhead) * sstride[0]);
+    }
+    V bc[A];
+#pragma GCC unroll 8
+    for (int a = 0; a < A; ++a) bc[a] = hn::Set(d, dyr[a][r]);
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const Decoder dec(ws[j][r * sstride[j]]);
+      const uint8_t* bytes = wp[j] + r * wstride[j];
+#pragma GCC unroll 4
+      for (int q = 0; q < static_cast<int>(kGroups); ++q) {
+        V e, o;
+        dec.group(bytes + q * kN, e, o);
+        const int v = j * static_cast<int>(kVecsPerBlock) + 2 * q;
+#pragma GCC unroll 8
+        for (int a = 0; a < A; ++a) {
+          acc[a * B + v] = hn::MulAdd(bc[a], e, acc[a * B + v]);
+          acc[a * B + v + 1] = hn::MulAdd(bc[a], o, acc[a * B + v + 1]);
+        }
+      }
+    }
+  }
+  for (int64_t a = 0; a < na; ++a)
+    for (int64_t j = 0; j < nbv; ++j)
+      store_nn_block(acc + a * B + j * kVecsPerBlock, dxr[a] + j * kBlock, overwrite);
+}
+
+// The same products with the W panel already decoded (rc rows × B vectors, split order).
+template <int A, int B>
+HWY_INLINE void nn_tile(const float* const* dyr, const float* panel, int64_t rc,
+                        float* const* dxr, int64_t nbv, int64_t na, bool overwrite) {
+  const D d;
+  V acc[A * B];
+#pragma GCC unroll 32
+  for (int i = 0; i < A * B; ++i) acc[i] = hn::Zero(d);
+  for (int64_t r = 0; r < rc; ++r) {
+    V bc[A];
+#pragma GCC unroll 16
+    for (int a = 0; a < A; ++a) bc[a] = hn::Set(d, dyr[a][r]);
+#pragma GCC unroll 16
+    for (int b = 0; b < B; ++b) {
+      const V w = hn::Load(d, panel + (r * B + b) * kN);
+#pragma GCC unroll 16
+      for (int a = 0; a < A; ++a) acc[a * B + b] = hn::MulAdd(bc[a], w, acc[a * B + b]);
+    }
+  }
+  for (int64_t a = 0; a < na; ++a)
+    for (int64_t j = 0; j < nbv; ++j)
+      store_nn_block(acc + a * B + j * kVecsPerBlock, dxr[a] + j * kBlock, overwrite);
+}
+
+template <int A, int NB, bool kFused>
+void run_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
+            int64_t lddx, bool accumulate) {
+  constexpr int B = NB * static_cast<int>(kVecsPerBlock);
+  float* panel = kFused ? nullptr : thread_scratch(0, kKr * NB * kBlock);
+  for (int64_t r0 = 0; r0 < w.rows; r0 += kKr) {
+    const int64_t rc = std::min(kKr, w.rows - r0);
+    const bool overwrite = r0 == 0 && !accumulate;
+    for (int64_t c0 = 0; c0 < w.cols; c0 += NB * kBlock) {
+      const int64_t nbv = std::min<int64_t>(NB, (w.cols - c0) / kBlock);
+      const uint8_t* wp[NB];
+      const uint8_t* ws[NB];
+      int64_t wstride[NB], sstride[NB];
+      for (int64_t j = 0; j < NB; ++j) {
+        const bool real = j < nbv;
+        wp[j] = real ? w.packed + r0 * w.packed_stride + (c0 + j * kBlock) / 2 : kZeroBytes;
+        ws[j] = real ? w.scales + r0 * w.scale_stride + (c0 + j * kBlock) / kBlock
+                     : kUnitScales.data();
+        wstride[j] = real ? w.packed_stride : 0;
+        sstride[j] = real ? w.scale_stride : 0;
+      }
+      if constexpr (!kFused) {
+        for (int64_t r = 0; r < rc; ++r)
+          for (int64_t j = 0; j < NB; ++j)
+            decode_blocks(wp[j] + r * wstride[j], ws[j] + r * sstride[j], 1,
+                          panel + (r * NB + j) * kBlock);
+      }
+      for (int64_t i0 = 0; i0 < m; i0 += A) {
+        const int64_t na = std::min<int64_t>(A, m - i0);
+        const float* dyr[A];
+        float* dxr[A];
+        for (int64_t a = 0; a < A; ++a) {
+          dyr[a] = a < na ? dy + (i0 + a) * lddy + r0 : kZeroFloats;
+          dxr[a] = a < na ? dx + (i0 + a) * lddx + c0 : nullptr;
+        }
+        if constexpr (kFused)
+          nn_fused_tile<A, NB>(dyr, wp, ws, wstride, sstride, rc, w.rows - r0, dxr, nbv, na,
+                               overwrite);
+        else
+          nn_tile<A, B>(dyr, panel, rc, dxr, nbv, na, overwrite);
+      }
+    }
+  }
+}
+
+template <int64_t N>
+void gemm_nn_dispatch(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
+                      int64_t lddx, bool accumulate) {
+  if constexpr (N >= 16) {
+    switch (m) {
+      case 1: return run_nn<1, 8, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 2: return run_nn<2, 4, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 3: return run_nn<3, 2, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 4: return run_nn<4, 2, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 5: return run_nn<5, 2, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 6: return run_nn<6, 1, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 7: return run_nn<7, 1, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 8: return run_nn<8, 1, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      default: return run_nn<6, 2, false>(m, dy, lddy, w, dx, lddx, accumulate);
+    }
+  } else if constexpr (N == 8) {
+    switch (m) {
+      case 1: return run_nn<1, 2, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 2: return run_nn<2, 1, true>(m, dy, lddy, w, dx, lddx, accumulate);
+      default: return run_nn<3, 1, false>(m, dy, lddy, w, dx, lddx, accumulate);
+    }
+  } else {
+    return run_nn<1, 1, false>(m, dy, lddy, w, dx, lddx, accumulate);
+  }
+}
+
+void GemmNN(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
+            int64_t lddx, bool accumulate) {
+  gemm_nn_dispatch<kN>(m, dy, lddy, w, dx, lddx, accumulate);
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace moe
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace moe {
+
+HWY_EXPORT(GemmNT);
+HWY_EXPORT(GemmNN);
+
+void mxfp4_gemm_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
+                   int64_t ldy, bool accumulate) {
+  MOE_CHECK(w.cols % mxfp4::kBlock == 0, "mxfp4_gemm_nt: cols {} is not a multiple of {}",
+            w.cols, mxfp4::kBlock);
+  if (m <= 0 || w.rows <= 0) return;
+  if (w.cols == 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < m; ++i) std::memset(y + i * ldy, 0, sizeof(float) * w.rows);
+    return;
+  }
+  HWY_DYNAMIC_DISPATCH(GemmNT)(m, x, ldx, w, y, ldy, accumulate);
+}
+
+void mxfp4_gemm_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
+                   int64_t lddx, bool accumulate) {
+  MOE_CHECK(w.cols % mxfp4::kBlock == 0, "mxfp4_gemm_nn: cols {} is not a multiple of {}",
+            w.cols, mxfp4::kBlock);
+  if (m <= 0 || w.cols <= 0) return;
+  if (w.rows == 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < m; ++i) std::memset(dx + i * lddx, 0, sizeof(float) * w.cols);
+    return;
+  }
+  HWY_DYNAMIC_DISPATCH(GemmNN)(m, dy, lddy, w, dx, lddx, accumulate);
+}
+
+}  // namespace moe
+#endif  // HWY_ONCE

@@ -1,0 +1,33 @@
+#pragma once
+// Matmuls against an MXFP4 weight that decode it block by block inside the kernel: a full fp32
+// copy of the weight never exists (scratch is bounded by one tile, see mxfp4_gemm.cpp).
+#include <cstdint>
+
+namespace moe {
+
+// A packed matrix W [rows, cols] (rows = out features, cols = in features, cols % 32 == 0 for
+// the whole matrix): row r's bytes start at packed + r*packed_stride, its scales at
+// scales + r*scale_stride. A 32-aligned column sub-range [c0, c0 + cols) is described by
+// offsetting the pointers (c0/2 bytes, c0/32 scales) and setting cols; a row sub-range by
+// offsetting both pointers by r0 rows.
+struct Mxfp4Matrix {
+  const uint8_t* packed;
+  const uint8_t* scales;
+  int64_t rows, cols;
+  int64_t packed_stride, scale_stride;
+};
+
+// Both kernels run on the calling thread only and are deterministic: the result depends on the
+// shapes only, never on the thread count or on other calls running concurrently. Callers
+// parallelise by calling them from inside their own parallel loops, one call per work item.
+// An empty contraction (cols == 0 for nt, rows == 0 for nn) with accumulate=false zeroes the
+// output, like gemm_*_serial.
+
+// y[m, rows] (+)= x[m, cols] · Wᵀ   (ldx, ldy in floats; accumulate=false overwrites)
+void mxfp4_gemm_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
+                   int64_t ldy, bool accumulate);
+// dx[m, cols] (+)= dy[m, rows] · W
+void mxfp4_gemm_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
+                   int64_t lddx, bool accumulate);
+
+}  // namespace moe

@@ -1,0 +1,24 @@
+#include "model/param.h"
+
+#include "core/error.h"
+#include "kernels/mxfp4.h"
+
+namespace moe {
+
+void quantize_rows_into(const Param& data, const Param& scales,
+                        const std::function<void(int64_t row, float* values)>& row) {
+  MOE_CHECK(data.format == ParamFormat::Mxfp4Data && scales.format == ParamFormat::Mxfp4Scales &&
+                data.value.ndim() == 2 && scales.value.ndim() == 2 &&
+                data.value.dim(0) == scales.value.dim(0) &&
+                data.value.dim(1) * 2 == scales.value.dim(1) * mxfp4::kBlock,
+            "internal: '{}' and '{}' are not one MXFP4 pair", data.name, scales.name);
+  const int64_t rows = data.value.dim(0), cols = data.value.dim(1) * 2;
+  std::vector<float> values(static_cast<size_t>(cols));  // one row: this routine's whole scratch
+  for (int64_t r = 0; r < rows; ++r) {
+    row(r, values.data());
+    mxfp4::quantize_row(values.data(), cols, data.value.u8() + r * (cols / 2),
+                        scales.value.u8() + r * (cols / mxfp4::kBlock));
+  }
+}
+
+}  // namespace moe

@@ -1,0 +1,525 @@
+// MXFP4 codec against the OCP MX v1.0 definitions (bit-exact vectors, special blocks, a
+// brute-force nearest-value quantizer) and the fused kernels against "dequantize the whole
+// matrix, then a double-precision matmul", on every Highway target this build carries.
+#include <hwy/targets.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/mxfp4.h"
+#include "kernels/mxfp4_gemm.h"
+#include "test_util.h"
+
+using namespace moe;
+using namespace moe::testing;
+namespace mx = moe::mxfp4;
+
+namespace {
+
+uint32_t bits(float v) { return std::bit_cast<uint32_t>(v); }
+
+// ---------------------------------------------------------------------------------- codec
+
+TEST(Mxfp4Codec, EveryE2M1CodeDecodesAndEncodesBack) {
+  const float want[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+  for (int c = 0; c < 16; ++c) {
+    EXPECT_EQ(bits(mx::e2m1_value(static_cast<uint8_t>(c))), bits(want[c])) << "code " << c;
+    // High bits are ignored on decode.
+    EXPECT_EQ(bits(mx::e2m1_value(static_cast<uint8_t>(0xA0 | c))), bits(want[c]));
+    EXPECT_EQ(mx::e2m1_encode(want[c]), c) << "value " << want[c];
+  }
+  EXPECT_TRUE(std::signbit(mx::e2m1_value(8)));
+}
+
+TEST(Mxfp4Codec, RoundingTiesGoToEvenAndLargeValuesSaturate) {
+  struct Case {
+    float v;
+    uint8_t code;
+  };
+  const Case cases[] = {
+      {0.25f, 0},    {0.75f, 2},  {1.25f, 2},   {1.75f, 4},   {2.5f, 4},    {3.5f, 6},
+      {5.0f, 6},     {0.1f, 0},   {0.3f, 1},    {0.7f, 1},    {1.3f, 3},    {2.6f, 5},
+      {3.4f, 5},     {5.1f, 7},   {6.0f, 7},    {7.0f, 7},    {100.0f, 7},  {1e30f, 7},
+      {INFINITY, 7}, {-0.25f, 8}, {-0.75f, 10}, {-1.25f, 10}, {-1.75f, 12}, {-2.5f, 12},
+      {-3.5f, 14},   {-5.0f, 14}, {-6.0f, 15},  {-7.0f, 15},  {-1e30f, 15}, {-INFINITY, 15},
+      {0.0f, 0},     {-0.0f, 8},  {-0.1f, 8},   {1e-40f, 0},  {-1e-40f, 8},
+  };
+  for (const Case& c : cases) EXPECT_EQ(mx::e2m1_encode(c.v), c.code) << "v = " << c.v;
+  // Just off each tie the nearest value wins.
+  const float ties[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  const uint8_t below[] = {0, 1, 2, 3, 4, 5, 6}, above[] = {1, 2, 3, 4, 5, 6, 7};
+  for (int i = 0; i < 7; ++i) {
+    EXPECT_EQ(mx::e2m1_encode(std::nextafter(ties[i], 0.0f)), below[i]) << ties[i];
+    EXPECT_EQ(mx::e2m1_encode(std::nextafter(ties[i], 10.0f)), above[i]) << ties[i];
+  }
+  EXPECT_EQ(mx::e2m1_encode(NAN), 0);
+}
+
+TEST(Mxfp4Codec, ScaleBytesDecodeToExactPowersOfTwo) {
+  EXPECT_EQ(bits(mx::e8m0_value(0)), 0x00400000u);  // 2^-127, a subnormal, not zero
+  EXPECT_EQ(mx::e8m0_value(0), std::ldexp(1.0f, -127));
+  EXPECT_GT(mx::e8m0_value(0), 0.0f);
+  EXPECT_EQ(mx::e8m0_value(1), std::ldexp(1.0f, -126));
+  EXPECT_EQ(mx::e8m0_value(127), 1.0f);
+  EXPECT_EQ(mx::e8m0_value(128), 2.0f);
+  EXPECT_EQ(mx::e8m0_value(254), std::ldexp(1.0f, 127));
+  EXPECT_TRUE(std::isnan(mx::e8m0_value(255)));
+  for (int e = 0; e < 255; ++e)
+    EXPECT_EQ(static_cast<double>(mx::e8m0_value(static_cast<uint8_t>(e))),
+              std::ldexp(1.0, e - 127));
+}
+
+// Independent reference quantizer: per block, shared exponent from the spec formula evaluated in
+// double, then the nearest of the 15 distinct E2M1 values by exhaustive search (ties to the even
+// code, saturation by clamping the scaled value to ±6 first).
+void reference_quantize(const float* v, int64_t n, std::vector<uint8_t>& codes,
+                        std::vector<uint8_t>& scales) {
+  codes.assign(static_cast<size_t>(n), 0);
+  scales.assign(static_cast<size_t>(n / 32), 0);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    double amax = 0;
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      finite = finite && std::isfinite(v[b * 32 + i]);
+      amax = std::max(amax, std::fabs(static_cast<double>(v[b * 32 + i])));
+    }
+    if (!finite) {
+      scales[b] = 0xFF;
+      continue;
+    }
+    if (amax == 0) continue;
+    const int e = std::clamp(static_cast<int>(std::floor(std::log2(amax))) - 2, -127, 127);
+    scales[b] = static_cast<uint8_t>(e + 127);
+    for (int i = 0; i < 32; ++i) {
+      const double s = std::clamp(std::ldexp(static_cast<double>(v[b * 32 + i]), -e), -6.0, 6.0);
+      int best = 0;
+      double best_err = INFINITY;
+      for (int c = 0; c < 8; ++c) {
+        const double err = std::fabs(std::fabs(s) - mx::e2m1_value(static_cast<uint8_t>(c)));
+        if (err < best_err || (err == best_err && c % 2 == 0)) best = c, best_err = err;
+      }
+      codes[b * 32 + i] = static_cast<uint8_t>(best | (std::signbit(s) ? 8 : 0));
+    }
+  }
+}
+
+std::vector<uint8_t> unpack(const std::vector<uint8_t>& packed) {
+  std::vector<uint8_t> codes;
+  for (uint8_t byte : packed) codes.push_back(byte & 15), codes.push_back(byte >> 4);
+  return codes;
+}
+
+TEST(Mxfp4Codec, QuantizeMatchesBruteForceNearestIncludingTies) {
+  Rng rng(11);
+  const int64_t n = 32 * 400;
+  std::vector<float> v(n);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    // Blocks at many magnitudes; every fourth block made of exact tie points k/4 · 2^e.
+    const float mag = std::ldexp(1.0f, static_cast<int>(rng.next_u64() % 60) - 30);
+    for (int i = 0; i < 32; ++i) {
+      float x = mag * rng.normal();
+      if (b % 4 == 0) x = std::ldexp(static_cast<float>(rng.next_u64() % 33) / 4.0f, -3) * mag;
+      if (b % 4 == 0 && rng.next_u64() % 2) x = -x;
+      v[b * 32 + i] = x;
+    }
+  }
+  std::vector<uint8_t> packed(n / 2), scales(n / 32), want_codes, want_scales;
+  mx::quantize_row(v.data(), n, packed.data(), scales.data());
+  reference_quantize(v.data(), n, want_codes, want_scales);
+  EXPECT_EQ(scales, want_scales);
+  EXPECT_EQ(unpack(packed), want_codes);
+}
+
+TEST(Mxfp4Codec, PackingPutsElementTwoIInTheLowNibble) {
+  std::vector<float> v(32, 0.0f);
+  v[0] = 4.0f;   // code 6, low nibble of byte 0
+  v[1] = -1.0f;  // code 10, high nibble of byte 0
+  v[30] = 0.5f;  // code 1, low nibble of byte 15
+  v[31] = 6.0f;  // code 7, high nibble of byte 15; amax 6 -> shared exponent 0, scale byte 127
+  uint8_t packed[16], scale;
+  mx::quantize_row(v.data(), 32, packed, &scale);
+  EXPECT_EQ(scale, 127);
+  EXPECT_EQ(packed[0], 0x06 | (10 << 4));
+  EXPECT_EQ(packed[15], 0x01 | (7 << 4));
+  for (int i = 1; i < 15; ++i) EXPECT_EQ(packed[i], 0);
+}
+
+TEST(Mxfp4Codec, ZeroNanAndInfBlocks) {
+  // Four blocks: all zero (with a -0), one NaN, one +Inf, one -Inf; each among finite values.
+  std::vector<float> v(128, 1.5f);
+  for (int i = 0; i < 32; ++i) v[i] = i == 3 ? -0.0f : 0.0f;
+  v[32 + 7] = NAN;
+  v[64 + 31] = INFINITY;
+  v[96] = -INFINITY;
+  std::vector<uint8_t> packed(64, 0xAB), scales(4, 0xAB);
+  mx::quantize_row(v.data(), 128, packed.data(), scales.data());
+  EXPECT_EQ(scales[0], 0);  // documented choice: 2^-127, elements +0
+  for (int b = 1; b < 4; ++b) EXPECT_EQ(scales[b], 0xFF) << b;
+  for (uint8_t byte : packed) EXPECT_EQ(byte, 0);
+  std::vector<float> back(128);
+  mx::dequantize_row(packed.data(), scales.data(), 128, back.data());
+  for (int i = 0; i < 32; ++i) EXPECT_EQ(bits(back[i]), 0u) << i;
+  for (int i = 32; i < 128; ++i) EXPECT_TRUE(std::isnan(back[i])) << i;
+
+  // A poisoned block leaves its neighbours alone.
+  std::vector<float> w(64, 3.0f);
+  w[40] = NAN;
+  uint8_t p2[32], s2[2];
+  mx::quantize_row(w.data(), 64, p2, s2);
+  EXPECT_EQ(s2[0], 126);  // amax 3: floor(log2 3) - 2 = -1
+  EXPECT_EQ(s2[1], 0xFF);
+}
+
+TEST(Mxfp4Codec, SubnormalInputs) {
+  // k · 2^-128 for k = 0..12: amax 12·2^-128 has floor(log2) = -125, so shared exponent -127
+  // (scale byte 0) and the scaled values are k/2, exact ties included.
+  std::vector<float> v(32, 0.0f);
+  for (int k = 0; k <= 12; ++k) v[k] = std::ldexp(static_cast<float>(k), -128);
+  for (int k = 13; k < 32; ++k) v[k] = -std::ldexp(static_cast<float>(k % 7), -128);
+  uint8_t packed[16], scale;
+  mx::quantize_row(v.data(), 32, packed, &scale);
+  EXPECT_EQ(scale, 0);
+  const std::vector<uint8_t> codes = unpack(std::vector<uint8_t>(packed, packed + 16));
+  for (int k = 0; k < 32; ++k) {
+    const float scaled = std::ldexp(v[k], 127);
+    EXPECT_EQ(codes[k], mx::e2m1_encode(scaled)) << k;
+  }
+  EXPECT_EQ(codes[5], 4);   // 2.5 -> 2
+  EXPECT_EQ(codes[7], 6);   // 3.5 -> 4
+  EXPECT_EQ(codes[10], 6);  // 5 -> 4
+  EXPECT_EQ(codes[12], 7);  // 6
+  std::vector<float> back(32);
+  mx::dequantize_row(packed, &scale, 32, back.data());
+  EXPECT_EQ(back[2], std::ldexp(1.0f, -127));  // 1.0 · 2^-127, exact
+  EXPECT_EQ(back[1], std::ldexp(1.0f, -128));  // 0.5 · 2^-127
+
+  // Tiny blocks clamp to scale byte 0 and round to zero; the smallest subnormal is the extreme.
+  std::vector<float> tiny(32, std::numeric_limits<float>::denorm_min());
+  mx::quantize_row(tiny.data(), 32, packed, &scale);
+  EXPECT_EQ(scale, 0);
+  for (uint8_t byte : packed) EXPECT_EQ(byte, 0);
+  // Values too small to clamp still scale exactly: 2^-127 alone is 1.0 · 2^-127.
+  std::vector<float> one(32, 0.0f);
+  one[9] = std::ldexp(1.0f, -127);
+  mx::quantize_row(one.data(), 32, packed, &scale);
+  EXPECT_EQ(scale, 0);
+  EXPECT_EQ(unpack(std::vector<uint8_t>(packed, packed + 16))[9], 2);
+  // The largest finite float lands in scale byte 252 (exponent 125) and saturates to 6.
+  std::vector<float> big(32, std::numeric_limits<float>::max());
+  mx::quantize_row(big.data(), 32, packed, &scale);
+  EXPECT_EQ(scale, 252);
+  EXPECT_EQ(packed[0], 0x77);
+}
+
+// Random packed rows whose every block holds a ±4 or ±6 (so amax fixes the block's own scale)
+// and scales that keep 6·2^(e-127) finite: quantize(dequantize(q)) must give q back, byte for
+// byte, -0 codes included.
+TEST(Mxfp4Codec, QuantizeOfDequantizeIsTheIdentityOnValidData) {
+  Rng rng(3);
+  const int64_t n = 32 * 2000;
+  std::vector<uint8_t> packed(n / 2), scales(n / 32);
+  for (auto& b : packed) b = static_cast<uint8_t>(rng.next_u64());
+  for (int64_t b = 0; b < n / 32; ++b) {
+    scales[b] = static_cast<uint8_t>(rng.next_u64() % 253);  // 0..252
+    const int64_t i = static_cast<int64_t>(rng.next_u64() % 32);
+    const uint8_t code =
+        static_cast<uint8_t>((rng.next_u64() % 2 ? 6 : 7) | (rng.next_u64() % 2 ? 8 : 0));
+    uint8_t& byte = packed[(b * 32 + i) / 2];
+    byte = i % 2 ? static_cast<uint8_t>((byte & 0x0F) | (code << 4))
+                 : static_cast<uint8_t>((byte & 0xF0) | code);
+  }
+  scales[0] = 0, scales[1] = 252;  // both extremes always present
+  std::vector<float> v(n);
+  mx::dequantize_row(packed.data(), scales.data(), n, v.data());
+  std::vector<uint8_t> packed2(n / 2), scales2(n / 32);
+  mx::quantize_row(v.data(), n, packed2.data(), scales2.data());
+  EXPECT_EQ(scales2, scales);
+  EXPECT_EQ(packed2, packed);
+}
+
+TEST(Mxfp4Codec, DequantizeOfQuantizeIsWithinHalfAStep) {
+  Rng rng(4);
+  const int64_t n = 32 * 1000;
+  std::vector<float> v(n), back(n);
+  for (int64_t i = 0; i < n; ++i)
+    v[i] = std::ldexp(rng.normal(), static_cast<int>(i / 32 % 40) - 20);
+  std::vector<uint8_t> packed(n / 2), scales(n / 32);
+  mx::quantize_row(v.data(), n, packed.data(), scales.data());
+  mx::dequantize_row(packed.data(), scales.data(), n, back.data());
+  for (int64_t i = 0; i < n; ++i) {
+    const double s = mx::e8m0_value(scales[i / 32]), a = std::fabs(static_cast<double>(v[i]));
+    const double err = std::fabs(static_cast<double>(back[i]) - v[i]);
+    // E2M1 spacing is s/2 below 2s, s in [2s, 4s) and 2s in [4s, 6s]; the block maximum (< 8s)
+    // may saturate to 6s, an error below a quarter of itself.
+    const double half_step = a < 2 * s ? 0.25 * s : a < 4 * s ? 0.5 * s : s;
+    EXPECT_LE(err, a > 6 * s ? 0.25 * a : half_step) << "i = " << i;
+    EXPECT_EQ(std::signbit(back[i]), std::signbit(v[i])) << i;
+  }
+}
+
+TEST(Mxfp4Codec, LengthMustBeAMultipleOf32) {
+  float v[48] = {};
+  uint8_t p[24], s[2];
+  EXPECT_NE(error_of([&] { mx::quantize_row(v, 48, p, s); }), "(no error)");
+  EXPECT_NE(error_of([&] { mx::dequantize_row(p, s, 48, v); }), "(no error)");
+}
+
+// -------------------------------------------------------------------------------- kernels
+
+// A packed matrix with room around it: rows × cols_total, row strides larger than needed, so
+// sub-matrices (row and 32-aligned column ranges) can be carved out of it.
+struct PackedMatrix {
+  int64_t rows, cols, pstride, sstride;
+  std::vector<uint8_t> packed, scales;
+
+  PackedMatrix(int64_t r, int64_t c, Rng& rng) : rows(r), cols(c) {
+    pstride = c / 2 + 7;  // deliberately not a multiple of anything useful
+    sstride = c / 32 + 3;
+    packed.assign(static_cast<size_t>(std::max<int64_t>(1, r * pstride)), 0);
+    scales.assign(static_cast<size_t>(std::max<int64_t>(1, r * sstride)), 0);
+    for (auto& b : packed) b = static_cast<uint8_t>(rng.next_u64());
+    // Scales 2^-6 .. 2^2 around 2^-2: magnitudes like real weights, all codes present.
+    for (auto& s : scales) s = static_cast<uint8_t>(121 + rng.next_u64() % 9);
+  }
+  Mxfp4Matrix view(int64_t r0 = 0, int64_t rn = -1, int64_t c0 = 0, int64_t cn = -1) const {
+    if (rn < 0) rn = rows - r0;
+    if (cn < 0) cn = cols - c0;
+    return {packed.data() + r0 * pstride + c0 / 2,
+            scales.data() + r0 * sstride + c0 / 32,
+            rn,
+            cn,
+            pstride,
+            sstride};
+  }
+};
+
+std::vector<float> dequantize(const Mxfp4Matrix& w) {
+  std::vector<float> out(static_cast<size_t>(w.rows * w.cols));
+  for (int64_t r = 0; r < w.rows; ++r)
+    mx::dequantize_row(w.packed + r * w.packed_stride, w.scales + r * w.scale_stride, w.cols,
+                       out.data() + r * w.cols);
+  return out;
+}
+
+std::vector<float> random_floats(int64_t n, Rng& rng) {
+  std::vector<float> v(static_cast<size_t>(std::max<int64_t>(n, 1)));
+  for (auto& x : v) x = rng.normal();
+  return v;
+}
+
+// Checks mxfp4_gemm_nt on x [m, cols] (row stride ldx) against the double reference; y has row
+// stride ldy > rows so the kernel must not touch the gap; accumulate adds to random y.
+void check_nt(const Mxfp4Matrix& w, int64_t m, int64_t ldx, int64_t ldy, bool accumulate,
+              Rng& rng) {
+  SCOPED_TRACE(::testing::Message() << "nt m=" << m << " rows=" << w.rows << " cols=" << w.cols
+                                    << " ldx=" << ldx << " ldy=" << ldy << " acc=" << accumulate);
+  const std::vector<float> W = dequantize(w), x = random_floats(m * ldx, rng);
+  std::vector<float> y = random_floats(m * ldy, rng);
+  const std::vector<float> y0 = y;
+  mxfp4_gemm_nt(m, x.data(), ldx, w, y.data(), ldy, accumulate);
+  std::vector<double> want(static_cast<size_t>(m * w.rows));
+  std::vector<float> got(want.size());
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t r = 0; r < w.rows; ++r) {
+      double s = accumulate ? y0[i * ldy + r] : 0.0;
+      for (int64_t c = 0; c < w.cols; ++c)
+        s += static_cast<double>(x[i * ldx + c]) * W[r * w.cols + c];
+      want[i * w.rows + r] = s;
+      got[i * w.rows + r] = y[i * ldy + r];
+    }
+  EXPECT_LT(rel_error(got.data(), want.data(), m * w.rows), 1e-6);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t r = w.rows; r < ldy; ++r) ASSERT_EQ(y[i * ldy + r], y0[i * ldy + r]);
+}
+
+void check_nn(const Mxfp4Matrix& w, int64_t m, int64_t lddy, int64_t lddx, bool accumulate,
+              Rng& rng) {
+  SCOPED_TRACE(::testing::Message()
+               << "nn m=" << m << " rows=" << w.rows << " cols=" << w.cols << " lddy=" << lddy
+               << " lddx=" << lddx << " acc=" << accumulate);
+  const std::vector<float> W = dequantize(w), dy = random_floats(m * lddy, rng);
+  std::vector<float> dx = random_floats(m * lddx, rng);
+  const std::vector<float> dx0 = dx;
+  mxfp4_gemm_nn(m, dy.data(), lddy, w, dx.data(), lddx, accumulate);
+  std::vector<double> want(static_cast<size_t>(m * w.cols));
+  std::vector<float> got(want.size());
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t c = 0; c < w.cols; ++c) {
+      double s = accumulate ? dx0[i * lddx + c] : 0.0;
+      for (int64_t r = 0; r < w.rows; ++r)
+        s += static_cast<double>(dy[i * lddy + r]) * W[r * w.cols + c];
+      want[i * w.cols + c] = s;
+      got[i * w.cols + c] = dx[i * lddx + c];
+    }
+  EXPECT_LT(rel_error(got.data(), want.data(), m * w.cols), 1e-6);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t c = w.cols; c < lddx; ++c) ASSERT_EQ(dx[i * lddx + c], dx0[i * lddx + c]);
+}
+
+const int64_t kMs[] = {0, 1, 2, 3, 7, 8, 9, 31, 64, 65, 200};
+const int64_t kCols[] = {32, 64, 96, 1024};
+const int64_t kRows[] = {1, 5, 16, 33, 256};
+
+TEST(Mxfp4Gemm, MatchesDequantizedDoubleReference) {
+  Rng rng(21);
+  for (int64_t cols : kCols)
+    for (int64_t rows : kRows) {
+      const PackedMatrix pm(rows, cols, rng);
+      for (int64_t m : kMs) {
+        const bool acc = (m + rows) % 2 == 1;
+        check_nt(pm.view(), m, cols, rows, acc, rng);
+        check_nn(pm.view(), m, rows, cols, !acc, rng);
+      }
+    }
+}
+
+// Contraction lengths past the kernels' internal chunks (1024 columns for nt, 256 rows for nn)
+// and widths that leave partial tiles.
+TEST(Mxfp4Gemm, LongContractionsAcrossChunks) {
+  Rng rng(22);
+  for (int64_t cols : {1056, 2080})
+    for (int64_t rows : {257, 520})
+      for (int64_t m : {1, 5, 9, 70}) {
+        const PackedMatrix pm(rows, cols, rng);
+        check_nt(pm.view(), m, cols, rows, m % 2 == 0, rng);
+        check_nn(pm.view(), m, rows, cols, m % 2 == 1, rng);
+      }
+}
+
+// Row and 32-aligned column sub-ranges of a larger packed matrix, with leading dimensions
+// wider than the operands, accumulating and overwriting.
+TEST(Mxfp4Gemm, StridedSubMatrices) {
+  Rng rng(23);
+  const PackedMatrix pm(70, 320, rng);
+  for (int64_t m : {1, 4, 8, 13, 66})
+    for (bool acc : {false, true}) {
+      const Mxfp4Matrix sub = pm.view(/*r0=*/3, /*rn=*/41, /*c0=*/64, /*cn=*/192);
+      check_nt(sub, m, 192 + 5, 41 + 3, acc, rng);
+      check_nn(sub, m, 41 + 9, 192 + 17, acc, rng);
+    }
+}
+
+// The kernels' arithmetic per output does not depend on m or on the tiling (see
+// mxfp4_gemm.cpp), so a call on some of the rows reproduces those rows' bits exactly — also
+// across the small-m (fused) / large-m (buffered) switch. Likewise for W row subsets (nt) and
+// 32-column block subsets (nn).
+TEST(Mxfp4Gemm, SubsetCallsReproduceTheFullCallBitForBit) {
+  Rng rng(24);
+  const int64_t m = 70, rows = 100, cols = 1088;
+  const PackedMatrix pm(rows, cols, rng);
+  const std::vector<float> x = random_floats(m * cols, rng), dy = random_floats(m * rows, rng);
+  std::vector<float> y(m * rows), dx(m * cols);
+  mxfp4_gemm_nt(m, x.data(), cols, pm.view(), y.data(), rows, false);
+  mxfp4_gemm_nn(m, dy.data(), rows, pm.view(), dx.data(), cols, false);
+  for (int64_t i0 : {0, 9, 41})
+    for (int64_t k : {1, 2, 3, 5, 8, 9, 29}) {
+      std::vector<float> ys(k * rows), dxs(k * cols);
+      mxfp4_gemm_nt(k, x.data() + i0 * cols, cols, pm.view(), ys.data(), rows, false);
+      mxfp4_gemm_nn(k, dy.data() + i0 * rows, rows, pm.view(), dxs.data(), cols, false);
+      EXPECT_EQ(std::memcmp(ys.data(), y.data() + i0 * rows, ys.size() * 4), 0) << i0 << " " << k;
+      EXPECT_EQ(std::memcmp(dxs.data(), dx.data() + i0 * cols, dxs.size() * 4), 0)
+          << i0 << " " << k;
+    }
+  // nt on W rows [17, 17+23): y columns [17, 40).
+  std::vector<float> ys(m * 23);
+  mxfp4_gemm_nt(m, x.data(), cols, pm.view(17, 23), ys.data(), 23, false);
+  for (int64_t i = 0; i < m; ++i)
+    EXPECT_EQ(std::memcmp(ys.data() + i * 23, y.data() + i * rows + 17, 23 * 4), 0) << i;
+  // nn on W columns [96, 96+544): dx columns [96, 640).
+  std::vector<float> dxs(m * 544);
+  mxfp4_gemm_nn(m, dy.data(), rows, pm.view(0, -1, 96, 544), dxs.data(), 544, false);
+  for (int64_t i = 0; i < m; ++i)
+    EXPECT_EQ(std::memcmp(dxs.data() + i * 544, dx.data() + i * cols + 96, 544 * 4), 0) << i;
+}
+
+TEST(Mxfp4Gemm, EmptyOperands) {
+  Rng rng(25);
+  const PackedMatrix pm(8, 64, rng);
+  std::vector<float> x(64, 1.0f), y(8, 5.0f);
+  mxfp4_gemm_nt(0, x.data(), 64, pm.view(), y.data(), 8, false);  // m = 0: nothing written
+  EXPECT_EQ(y[0], 5.0f);
+  // Empty contraction: accumulate leaves y, overwrite clears it (like gemm_*_serial).
+  mxfp4_gemm_nt(1, x.data(), 64, pm.view(0, -1, 0, 0), y.data(), 8, true);
+  EXPECT_EQ(y[0], 5.0f);
+  mxfp4_gemm_nt(1, x.data(), 64, pm.view(0, -1, 0, 0), y.data(), 8, false);
+  for (float v : y) EXPECT_EQ(v, 0.0f);
+  std::vector<float> dx(64, 5.0f);
+  mxfp4_gemm_nn(1, y.data(), 8, pm.view(0, 0), dx.data(), 64, true);
+  EXPECT_EQ(dx[0], 5.0f);
+  mxfp4_gemm_nn(1, y.data(), 8, pm.view(0, 0), dx.data(), 64, false);
+  for (float v : dx) EXPECT_EQ(v, 0.0f);
+  Mxfp4Matrix bad = pm.view();
+  bad.cols = 48;
+  EXPECT_NE(error_of([&] { mxfp4_gemm_nt(1, x.data(), 64, bad, y.data(), 8, false); }),
+            "(no error)");
+  EXPECT_NE(error_of([&] { mxfp4_gemm_nn(1, y.data(), 8, bad, dx.data(), 64, false); }),
+            "(no error)");
+}
+
+// Scale bytes at the ends of the range decode exactly in the kernels too (2^-127 is not zero,
+// 2^125 is not Inf): matrices with one scale byte throughout, inputs scaled so the products
+// stay normal.
+TEST(Mxfp4Gemm, ExtremeScaleBytes) {
+  Rng rng(28);
+  for (int scale : {0, 1, 2, 126, 127, 128, 200, 252}) {
+    PackedMatrix pm(9, 96, rng);
+    for (auto& s : pm.scales) s = static_cast<uint8_t>(scale);
+    const float in_scale = std::ldexp(1.0f, scale <= 127 ? 100 : -100);
+    for (int64_t m : {3, 12}) {
+      SCOPED_TRACE(::testing::Message() << "scale byte " << scale << " m=" << m);
+      const std::vector<float> W = dequantize(pm.view());
+      std::vector<float> x = random_floats(m * 96, rng), dy = random_floats(m * 9, rng);
+      for (float& v : x) v *= in_scale;
+      for (float& v : dy) v *= in_scale;
+      std::vector<float> y(m * 9), dx(m * 96);
+      mxfp4_gemm_nt(m, x.data(), 96, pm.view(), y.data(), 9, false);
+      mxfp4_gemm_nn(m, dy.data(), 9, pm.view(), dx.data(), 96, false);
+      std::vector<double> wy(m * 9, 0.0), wdx(m * 96, 0.0);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t r = 0; r < 9; ++r)
+          for (int64_t c = 0; c < 96; ++c) {
+            wy[i * 9 + r] += static_cast<double>(x[i * 96 + c]) * W[r * 96 + c];
+            wdx[i * 96 + c] += static_cast<double>(dy[i * 9 + r]) * W[r * 96 + c];
+          }
+      EXPECT_LT(rel_error(y.data(), wy.data(), m * 9), 1e-6);
+      EXPECT_LT(rel_error(dx.data(), wdx.data(), m * 96), 1e-6);
+      EXPECT_GT(max_abs(y.data(), m * 9), 0.0);
+    }
+  }
+}
+
+// NaN scales poison exactly the outputs that read them.
+TEST(Mxfp4Gemm, NanScalePropagates) {
+  Rng rng(26);
+  PackedMatrix pm(4, 64, rng);
+  pm.scales[2 * pm.sstride + 1] = 0xFF;  // row 2, second block
+  std::vector<float> x = random_floats(64, rng), y(4), dy(4, 1.0f), dx(64);
+  mxfp4_gemm_nt(1, x.data(), 64, pm.view(), y.data(), 4, false);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(std::isnan(y[r]), r == 2) << r;
+  mxfp4_gemm_nn(1, dy.data(), 4, pm.view(), dx.data(), 64, false);
+  for (int c = 0; c < 64; ++c) EXPECT_EQ(std::isnan(dx[c]), c >= 32) << c;
+}
+
+// The portable fallbacks (AVX2, SSE4, emulated 128-bit, ...) on the same checks: each target
+// the build compiled and this CPU runs.
+TEST(Mxfp4Gemm, EveryCompiledTarget) {
+  Rng rng(27);
+  int tested = 0;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (int64_t m : {1, 2, 5, 9, 40}) {
+      const PackedMatrix pm(37, 1088, rng);
+      check_nt(pm.view(), m, 1088, 37, m % 2 == 0, rng);
+      check_nn(pm.view(0, -1, 32, 1024), m, 37, 1024 + 3, m % 2 == 1, rng);
+    }
+    ++tested;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(tested, 2);
+}
+
+}  // namespace
