@@ -17,7 +17,7 @@ cores=$(nproc)
 declare -A tps
 for np in 1 2 4; do
   out="$work/ep$np"
-  mpirun --allow-run-as-root --oversubscribe -np "$np" -x OMP_WAIT_POLICY=passive \
+  mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$np" \
     "$BUILD_DIR/moe" train --config configs/small.toml --ep "$np" --schedule.steps "$STEPS" \
     --schedule.warmup_steps 2 --logging.progress none --data.val_fraction 0.001 \
     --data.val_batches 1 --run.out_dir "$out" "$@" > "$work/log$np" 2>&1 ||
