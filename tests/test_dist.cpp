@@ -257,6 +257,42 @@ TEST(Communicator, DeterministicSumMinAndAllToAll) {
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 
+TEST(Communicator, RowExchangeGathersAndScattersInPlace) {
+  Communicator& c = *g_world;
+  const int W = c.size(), r = c.rank();
+  const int64_t width = 5, rows = 40;
+  // Rank r sends rank j the rows (j + 3·i) % rows for i < n(r, j) = (r + 2j) % 4, in that order
+  // (repeats allowed: one row can go to a rank twice), and rank j writes what it gets from r
+  // backwards into rows [base(r) + n - 1, ..., base(r)] of its output, runs cut differently.
+  auto n_of = [](int from, int to) { return (from + 2 * to) % 4; };
+  std::vector<float> send(static_cast<size_t>(rows * width));
+  for (int64_t q = 0; q < rows; ++q)
+    for (int64_t w = 0; w < width; ++w) send[static_cast<size_t>(q * width + w)] = 1000.0f * r + q + 0.01f * w;
+  std::vector<RowRuns> to(static_cast<size_t>(W)), from(static_cast<size_t>(W));
+  std::vector<int32_t> base(static_cast<size_t>(W));
+  int32_t at = 0;
+  for (int j = 0; j < W; ++j) {
+    for (int i = 0; i < n_of(r, j); ++i) to[static_cast<size_t>(j)].add((j + 3 * i) % rows, 1);
+    base[static_cast<size_t>(j)] = at;
+    for (int i = n_of(j, r) - 1; i >= 0; --i) from[static_cast<size_t>(j)].add(at + i, 1);
+    at += n_of(j, r) + 1;  // a gap row between sources stays untouched
+  }
+  std::vector<float> recv(static_cast<size_t>(at * width), -7.0f);
+  c.all_to_all_rows(send.data(), to, recv.data(), from, width);
+  for (int j = 0; j < W; ++j) {
+    const int n = n_of(j, r);
+    for (int i = 0; i < n; ++i) {
+      const int64_t dst = base[static_cast<size_t>(j)] + (n - 1 - i);
+      const int64_t src_row = (r + 3 * i) % rows;
+      for (int64_t w = 0; w < width; ++w)
+        EXPECT_EQ(recv[static_cast<size_t>(dst * width + w)], 1000.0f * j + src_row + 0.01f * w)
+            << "from " << j << " item " << i;
+    }
+    EXPECT_EQ(recv[static_cast<size_t>((base[static_cast<size_t>(j)] + n) * width)], -7.0f) << "gap";
+  }
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+}
+
 TEST(Communicator, SplitByColor) {
   Communicator& c = *g_world;
   auto sub = c.split(c.rank() % 2, c.rank());

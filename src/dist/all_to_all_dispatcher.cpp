@@ -33,6 +33,40 @@ Tensor activation(const Shape& shape) {
 
 std::vector<int64_t> widen(const int32_t* p, int n) { return std::vector<int64_t>(p, p + n); }
 
+// Per destination rank, the per-token rows of the slots it receives, in send order: slot s
+// (token s / k) sits at send position send_pos[s], and rank d takes positions
+// [Σ_{i<d} send_rows[i], +send_rows[d]).
+std::vector<RowRuns> token_rows_by_destination(const int32_t* send_pos, const int32_t* send_rows,
+                                               int e, int64_t slots, int64_t k) {
+  std::vector<int32_t> token_at(static_cast<size_t>(slots));
+  for (int64_t s = 0; s < slots; ++s) token_at[static_cast<size_t>(send_pos[s])] = static_cast<int32_t>(s / k);
+  std::vector<RowRuns> runs(static_cast<size_t>(e));
+  int64_t p = 0;
+  for (int d = 0; d < e; ++d)
+    for (int32_t n = 0; n < send_rows[d]; ++n, ++p) runs[static_cast<size_t>(d)].add(token_at[static_cast<size_t>(p)], 1);
+  return runs;
+}
+
+// Per source rank, the expert-major rows its arrivals occupy: arrival p (source-rank-major
+// order) is expert-major row row_of_arrival[p]; within one (source, expert) pair they are
+// consecutive, so each pair is one run.
+std::vector<RowRuns> expert_rows_by_source(const int32_t* row_of_arrival, const int32_t* recv_rows,
+                                           int e) {
+  std::vector<RowRuns> runs(static_cast<size_t>(e));
+  int64_t p = 0;
+  for (int src = 0; src < e; ++src)
+    for (int32_t n = 0; n < recv_rows[src]; ++n, ++p) runs[static_cast<size_t>(src)].add(row_of_arrival[p], 1);
+  return runs;
+}
+
+// Rank-ordered contiguous blocks of `rows[j]` rows each.
+std::vector<RowRuns> contiguous_by_rank(const int32_t* rows, int e) {
+  std::vector<RowRuns> runs(static_cast<size_t>(e));
+  int32_t at = 0;
+  for (int j = 0; j < e; ++j) runs[static_cast<size_t>(j)].add(at, rows[j]), at += rows[j];
+  return runs;
+}
+
 }  // namespace
 
 // The Handle builder: a LocalDispatcher whose "all experts" are this rank's experts.
@@ -114,50 +148,37 @@ Dispatched AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& ids, cons
   }
   MOE_CHECK(R < kMax, "dispatch: {} received rows exceed the 32-bit row index", R);
 
-  // 3. Rows with their weight as column `dim`, one exchange.
-  const int64_t W = dim + 1;
-  Tensor recv = activation({R, W});
+  // 3. The routing weights (one float per row) in arrival order: they, and the arrival order
+  //    itself, are all the expert-major permutation needs, so it exists before any row moves.
+  Tensor arrived_w = Tensor::empty({R, 1}, DType::F32, MemCategory::Scratch);
   {
-    Tensor send = activation({slots, W});
-    const float* xp = x.f32();
+    std::vector<float> send_w(static_cast<size_t>(slots));
     const float* wp = weights.f32();
-    float* sp = send.f32();
-    parallel_for(0, slots, [&](int64_t s) {
-      float* row = sp + static_cast<int64_t>(send_pos[s]) * W;
-      std::memcpy(row, xp + (s / k) * dim, sizeof(float) * dim);
-      row[dim] = wp[s];
-    });
-    comm_->all_to_all_v(sp, widen(send_rows, e).data(), recv.f32(), widen(recv_rows, e).data(), W);
+    for (int64_t s = 0; s < slots; ++s) send_w[static_cast<size_t>(send_pos[s])] = wp[s];
+    comm_->all_to_all_v(send_w.data(), widen(send_rows, e).data(), arrived_w.f32(),
+                        widen(recv_rows, e).data(), 1);
   }
 
   // 4. Rank-major -> expert-major: the factory's stable sort of the arrival order by expert.
   Tensor fake_ids = Tensor::empty({R, 1}, DType::I32, MemCategory::Scratch);
-  Tensor fake_w = Tensor::empty({R, 1}, DType::F32, MemCategory::Scratch);
   {
     int32_t* fi = fake_ids.i32();
-    float* fw = fake_w.f32();
-    const float* rp = recv.f32();
     int64_t p = 0;
     for (int src = 0; src < e; ++src)
       for (int64_t j = 0; j < per; ++j)
         for (int64_t c = 0; c < from[static_cast<size_t>(src * per + j)]; ++c, ++p)
           fi[p] = static_cast<int32_t>(local.first + j);
-    for (int64_t q = 0; q < R; ++q) fw[q] = rp[q * W + dim];
   }
   factory_->range = local;
-  Dispatched out = factory_->dispatch(fake_w, fake_ids, fake_w, E);
+  Dispatched out = factory_->dispatch(arrived_w, fake_ids, arrived_w, E);
   fake_ids.reset();
-  fake_w.reset();
+  arrived_w.reset();
+
+  // 5. The rows, gathered from x and landing expert-major, in one exchange.
   out.rows = activation({R, dim});
-  {
-    const int32_t* arrival_of_row = out.handle.slot_of_row();
-    const float* rp = recv.f32();
-    float* rows = out.rows.f32();
-    parallel_for(0, R, [&](int64_t r) {
-      std::memcpy(rows + r * dim, rp + static_cast<int64_t>(arrival_of_row[r]) * W,
-                  sizeof(float) * dim);
-    });
-  }
+  comm_->all_to_all_rows(x.f32(), token_rows_by_destination(send_pos, send_rows, e, slots, k),
+                         out.rows.f32(), expert_rows_by_source(out.handle.row_of_slot(), recv_rows, e),
+                         dim);
   adopt(out.handle, std::move(side), this);
   return out;
 }
@@ -165,50 +186,22 @@ Dispatched AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& ids, cons
 Tensor AllToAllDispatcher::to_sources(const float* expert_major, int64_t width, const Handle& h,
                                       const detail::EpSendSide& s) const {
   const int e = s.e;
-  const int64_t R = h.rows(), slots = s.tokens() * s.top_k();
+  const int64_t slots = s.tokens() * s.top_k();
   Tensor back = activation({slots, width});
-  {
-    // Arrival (rank-major) order: position p holds expert-major row row_of_slot[p].
-    Tensor arrival = activation({R, width});
-    const int32_t* row_of_arrival = h.row_of_slot();
-    float* ap = arrival.f32();
-    parallel_for(0, R, [&](int64_t p) {
-      std::memcpy(ap + p * width, expert_major + static_cast<int64_t>(row_of_arrival[p]) * width,
-                  sizeof(float) * width);
-    });
-    comm_->all_to_all_v(ap, widen(s.recv_rows(), e).data(), back.f32(),
-                        widen(s.send_rows(), e).data(), width);
-  }
+  comm_->all_to_all_rows(expert_major, expert_rows_by_source(h.row_of_slot(), s.recv_rows(), e),
+                         back.f32(), contiguous_by_rank(s.send_rows(), e), width);
   return back;
 }
 
 Tensor AllToAllDispatcher::to_experts(const float* per_token, int64_t width, const Handle& h,
                                       const detail::EpSendSide& s) const {
   const int e = s.e;
-  const int64_t R = h.rows(), k = s.top_k(), slots = s.tokens() * k;
-  Tensor arrival = activation({R, width});
-  {
-    Tensor send = activation({slots, width});
-    const int32_t* send_pos = s.send_pos();
-    float* sp = send.f32();
-    parallel_for(0, slots, [&](int64_t q) {
-      std::memcpy(sp + static_cast<int64_t>(send_pos[q]) * width, per_token + (q / k) * width,
-                  sizeof(float) * width);
-    });
-    comm_->all_to_all_v(sp, widen(s.send_rows(), e).data(), arrival.f32(),
-                        widen(s.recv_rows(), e).data(), width);
-  }
-  Tensor out = activation({R, width});
-  const int32_t* arrival_of_row = h.slot_of_row();
-  const float* ap = arrival.f32();
-  float* op = out.f32();
-  parallel_for(0, R, [&](int64_t r) {
-    std::memcpy(op + r * width, ap + static_cast<int64_t>(arrival_of_row[r]) * width,
-                sizeof(float) * width);
-  });
+  const int64_t k = s.top_k(), slots = s.tokens() * k;
+  Tensor out = activation({h.rows(), width});
+  comm_->all_to_all_rows(per_token, token_rows_by_destination(s.send_pos(), s.send_rows(), e, slots, k),
+                         out.f32(), expert_rows_by_source(h.row_of_slot(), s.recv_rows(), e), width);
   return out;
 }
-
 
 Tensor AllToAllDispatcher::combine(const Tensor& expert_out, Handle& handle, Pass pass) {
   const detail::EpSendSide s = send_side(handle, "combine");

@@ -7,14 +7,16 @@
 //      destination-rank-major, expert-major within a rank, (token, slot)-ascending within an
 //      expert;
 //   2. one all_to_all of the per-expert counts (E/e per destination);
-//   3. one all_to_all_v of the token rows, each row carrying its routing weight as an extra
-//      column (dim + 1 floats), so rows and weights travel in a single exchange;
-//   4. received rows are source-rank-major; a stable sort by local expert makes them
-//      expert-major: rows of expert e from rank 0, then from rank 1, ... — which is exactly the
-//      order LocalDispatcher gives the union of all ranks' tokens concatenated in rank order, so
-//      grouped GEMMs see the same rows in the same order.
-// combine is the reverse (expert-major -> rank-major, all_to_all_v back), then each token sums
-// its k contributions in slot order in fp32, exactly like LocalDispatcher::combine.
+//   3. one all_to_all_v of the routing weights (one float per slot), arriving source-rank-major;
+//      a stable sort of the arrivals by local expert gives the expert-major order: rows of
+//      expert e from rank 0, then from rank 1, ... — exactly the order LocalDispatcher gives the
+//      union of all ranks' tokens concatenated in rank order, so grouped GEMMs see the same rows
+//      in the same order;
+//   4. one all_to_all_rows of the token rows: each slot's row is gathered straight from x and
+//      lands straight in its expert-major row (indexed MPI datatypes; no staging copies).
+// combine is the reverse (expert-major runs back to the sources, received in send order), then
+// each token sums its k contributions in slot order in fp32, exactly like
+// LocalDispatcher::combine.
 // combine_backward is a dispatch of dy, dispatch_backward a combine of d_rows and
 // row_weights_backward a combine of one column; all reuse the Handle, none re-routes.
 //
@@ -27,7 +29,7 @@
 // in arrival order: its stable counting sort *is* the rank-major -> expert-major permutation.
 // On such a handle tokens() counts arrivals (k = 1): row_of_slot() maps an arrival to its
 // expert-major row and slot_of_row() back. The send side (T, k, per-rank send/receive row
-// counts, each slot's send-buffer row) is a second Routing tensor attached to the same handle
+// counts, each slot's position in the send order) is a second Routing tensor attached to the same handle
 // (Dispatcher::adopt), so both are released together on every path.
 #include <cstdint>
 #include <memory>
@@ -61,7 +63,7 @@ class AllToAllDispatcher : public Dispatcher {
   using SendSide = detail::EpSendSide;
   class HandleFactory;
   SendSide send_side(const Handle& handle, const char* op) const;
-  // expert-major [R, width] -> each slot's row [T·k, width] in send order, via all_to_all_v.
+  // expert-major [R, width] -> each slot's row [T·k, width] in send order, via all_to_all_rows.
   Tensor to_sources(const float* expert_major, int64_t width, const Handle& h,
                     const SendSide& s) const;
   // per-token [T, width] (row of slot s = src[s / k]) -> expert-major [R, width].

@@ -29,6 +29,52 @@ void LocalCommunicator::all_to_all_v(const float* send, const int64_t* send_rows
   if (n > 0 && send != recv) std::memmove(recv, send, sizeof(float) * static_cast<size_t>(n));
 }
 
+void RowRuns::add(int32_t row, int32_t n) {
+  if (n <= 0) return;
+  if (!first.empty() && first.back() + count.back() == row) {
+    count.back() += n;
+    return;
+  }
+  first.push_back(row);
+  count.push_back(n);
+}
+
+int64_t RowRuns::rows() const {
+  int64_t n = 0;
+  for (int32_t c : count) n += c;
+  return n;
+}
+
+namespace {
+
+// Copies the rows named by `src_runs` of `src` into the rows named by `dst_runs` of `dst`, in
+// order (the two may cut the same rows into different runs).
+void copy_runs(const float* src, const RowRuns& src_runs, float* dst, const RowRuns& dst_runs,
+               int64_t width) {
+  size_t i = 0, j = 0;
+  int64_t si = 0, dj = 0;  // rows already used of run i / run j
+  const size_t row_bytes = sizeof(float) * static_cast<size_t>(width);
+  while (i < src_runs.first.size() && j < dst_runs.first.size()) {
+    const int64_t n = std::min<int64_t>(src_runs.count[i] - si, dst_runs.count[j] - dj);
+    std::memcpy(dst + (dst_runs.first[j] + dj) * width, src + (src_runs.first[i] + si) * width,
+                row_bytes * static_cast<size_t>(n));
+    si += n, dj += n;
+    if (si == src_runs.count[i]) ++i, si = 0;
+    if (dj == dst_runs.count[j]) ++j, dj = 0;
+  }
+}
+
+}  // namespace
+
+void LocalCommunicator::all_to_all_rows(const float* send, const std::vector<RowRuns>& to,
+                                        float* recv, const std::vector<RowRuns>& from,
+                                        int64_t row_width) {
+  MOE_CHECK(to.size() == 1 && from.size() == 1 && to[0].rows() == from[0].rows(),
+            "all_to_all_rows: one rank sends {} rows to itself but expects {}",
+            to.empty() ? 0 : to[0].rows(), from.empty() ? 0 : from[0].rows());
+  copy_runs(send, to[0], recv, from[0], row_width);
+}
+
 std::unique_ptr<Communicator> LocalCommunicator::split(int, int) {
   return std::make_unique<LocalCommunicator>();
 }
@@ -250,6 +296,43 @@ void MpiCommunicator::all_to_all_v(const float* send, const int64_t* send_rows, 
       MPI_Alltoallv(send, sc.data(), sd.data(), row, recv, rc.data(), rd.data(), row, impl_->comm);
   MPI_Type_free(&row);
   mpi_check(rc_call, "MPI_Alltoallv");
+}
+
+void MpiCommunicator::all_to_all_rows(const float* send, const std::vector<RowRuns>& to,
+                                      float* recv, const std::vector<RowRuns>& from,
+                                      int64_t row_width) {
+  const size_t W = static_cast<size_t>(size_);
+  MOE_CHECK(to.size() == W && from.size() == W,
+            "all_to_all_rows: {} send and {} receive run lists for {} ranks", to.size(),
+            from.size(), W);
+  if (row_width == 0) return;
+  MPI_Datatype row = MPI_DATATYPE_NULL;
+  mpi_check(MPI_Type_contiguous(to_int(row_width, "all_to_all_rows: row width"), MPI_FLOAT, &row),
+            "MPI_Type_contiguous");
+  mpi_check(MPI_Type_commit(&row), "MPI_Type_commit");
+  // One indexed type per peer and direction; a peer with no rows gets count 0.
+  std::vector<MPI_Datatype> st(W, row), rt(W, row);
+  std::vector<int> sc(W, 0), rc(W, 0), zero(W, 0);
+  auto indexed = [&](const RowRuns& runs, MPI_Datatype& type, int& count) {
+    if (runs.first.empty()) return;
+    mpi_check(MPI_Type_indexed(to_int(static_cast<int64_t>(runs.first.size()), "all_to_all_rows: runs"),
+                               runs.count.data(), runs.first.data(), row, &type),
+              "MPI_Type_indexed");
+    mpi_check(MPI_Type_commit(&type), "MPI_Type_commit");
+    count = 1;
+  };
+  for (size_t j = 0; j < W; ++j) {
+    indexed(to[j], st[j], sc[j]);
+    indexed(from[j], rt[j], rc[j]);
+  }
+  const int rc_call = MPI_Alltoallw(send, sc.data(), zero.data(), st.data(), recv, rc.data(),
+                                    zero.data(), rt.data(), impl_->comm);
+  for (size_t j = 0; j < W; ++j) {
+    if (sc[j]) MPI_Type_free(&st[j]);
+    if (rc[j]) MPI_Type_free(&rt[j]);
+  }
+  MPI_Type_free(&row);
+  mpi_check(rc_call, "MPI_Alltoallw");
 }
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {

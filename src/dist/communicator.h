@@ -20,8 +20,18 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace moe {
+
+// Where the rows exchanged with one peer live in a buffer: run i is rows first[i] ..
+// first[i] + count[i] - 1, and the runs are taken (or filled) in order. Row indices are int32,
+// like MPI's displacements.
+struct RowRuns {
+  std::vector<int32_t> first, count;
+  void add(int32_t row, int32_t n);  // extends the last run when contiguous
+  int64_t rows() const;
+};
 
 class Communicator {
  public:
@@ -45,6 +55,13 @@ class Communicator {
   // across ranks (usually recv_rows is the all_to_all of send_rows).
   virtual void all_to_all_v(const float* send, const int64_t* send_rows, float* recv,
                             const int64_t* recv_rows, int64_t row_width) = 0;
+  // The same exchange with the rows gathered from and scattered to where they live: to[j]
+  // names the rows of `send` for rank j, from[j] the rows of `recv` that rank j's rows fill
+  // (to[j].rows() on rank i equals from[i].rows() on rank j). One pass over the data instead of
+  // pack, exchange, unpack (MPI: one MPI_Alltoallw with indexed row datatypes). `send` and
+  // `recv` must not overlap.
+  virtual void all_to_all_rows(const float* send, const std::vector<RowRuns>& to, float* recv,
+                               const std::vector<RowRuns>& from, int64_t row_width) = 0;
 
   // Ranks with the same color form a new communicator, ordered by (key, old rank). Collective
   // over this communicator. E.g. the EP group of world rank w with EP size e: color w / e.
@@ -69,6 +86,8 @@ class LocalCommunicator final : public Communicator {
   void all_to_all(const int64_t* send, int64_t* recv, int64_t n) override;
   void all_to_all_v(const float* send, const int64_t* send_rows, float* recv,
                     const int64_t* recv_rows, int64_t row_width) override;
+  void all_to_all_rows(const float* send, const std::vector<RowRuns>& to, float* recv,
+                       const std::vector<RowRuns>& from, int64_t row_width) override;
   std::unique_ptr<Communicator> split(int color, int key) override;
   [[noreturn]] void abort(int code) override;
   std::string name() const override { return "local"; }
@@ -108,6 +127,8 @@ class MpiCommunicator final : public Communicator {
   void all_to_all(const int64_t* send, int64_t* recv, int64_t n) override;
   void all_to_all_v(const float* send, const int64_t* send_rows, float* recv,
                     const int64_t* recv_rows, int64_t row_width) override;
+  void all_to_all_rows(const float* send, const std::vector<RowRuns>& to, float* recv,
+                       const std::vector<RowRuns>& from, int64_t row_width) override;
   std::unique_ptr<Communicator> split(int color, int key) override;
   [[noreturn]] void abort(int code) override;
   std::string name() const override;
