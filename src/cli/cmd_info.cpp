@@ -44,6 +44,10 @@ void print_info(const std::string& spec) {
   const int64_t train_bytes = p.total * 4 * 4;  // weights, grads, two AdamW moments
   fmt::print("training state   {} (fp32 weights + grads + AdamW moments, before activations)\n",
              format_bytes(train_bytes));
+  // Frozen MXFP4 experts: packed weights only; everything else keeps weights, grads, moments.
+  const int64_t frozen_bytes = (p.total - p.routed_expert) * 4 * 4 + p.routed_expert * 17 / 32;
+  fmt::print("                 {} with frozen MXFP4 routed experts (--model.experts mxfp4){}\n",
+             format_bytes(frozen_bytes), c.mxfp4_experts() ? ": this model's format" : "");
   const int64_t kv_per_token = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4;
   fmt::print("MLA KV cache     {} per token (fp32 latent, all layers)\n", format_bytes(kv_per_token));
 }
