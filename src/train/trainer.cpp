@@ -254,19 +254,9 @@ class TrainingRun {
         tokenizer_->vocab_size(), corpus_.train.size(),
         cfg_.data.seq_len, format_count(static_cast<double>(corpus_.val.tokens().size())),
         corpus_.train_unigram_entropy));
-    if (mc_.mxfp4_experts()) {
-      int64_t bytes = 0, weights = 0;
-      for (MoELayer* m : model_.moe_layers()) {
-        bytes += m->mxfp4_experts()->bytes();
-        const ExpertWeights& x = m->experts();
-        weights += x.experts().count * 3 * x.dim() * x.hidden();
-      }
-      say(fmt::format("routed experts: MXFP4, frozen: {} for {} weights on this rank ({:.2f} bits "
-                      "per weight), decoded inside the expert matmuls; everything else trains",
-                      format_bytes(bytes), format_count(static_cast<double>(weights)),
-                      weights > 0 ? 8.0 * static_cast<double>(bytes) / static_cast<double>(weights)
-                                  : 0.0));
-    }
+    if (mc_.mxfp4_experts())
+      say(fmt::format("routed experts: MXFP4, frozen: {}, decoded inside the expert matmuls; "
+                      "everything else trains", describe_packed_experts()));
     const int w = world().size(), e = groups_.ep_size;
     if (w > 1)
       say(fmt::format("parallel: {} ranks, expert-parallel size {}: {} of {} routed experts per "
@@ -523,6 +513,21 @@ class TrainingRun {
       line(mem.substr(pos, nl - pos));
       pos = nl + 1;
     }
+    if (mc_.mxfp4_experts()) line("  of the weights, routed experts (MXFP4): " + describe_packed_experts());
+  }
+
+  // "51.00 KiB for 98.3K weights on this rank (4.25 bits per weight)".
+  std::string describe_packed_experts() const {
+    int64_t bytes = 0, weights = 0;
+    for (MoELayer* m : model_.moe_layers()) {
+      bytes += m->mxfp4_experts()->bytes();
+      const ExpertWeights& x = m->experts();
+      weights += x.experts().count * 3 * x.dim() * x.hidden();
+    }
+    return fmt::format("{} for {} weights on this rank ({:.2f} bits per weight)", format_bytes(bytes),
+                       format_count(static_cast<double>(weights)),
+                       weights > 0 ? 8.0 * static_cast<double>(bytes) / static_cast<double>(weights)
+                                   : 0.0);
   }
 
   const TrainRequest& req_;
