@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <vector>
 
 #include "core/error.h"
@@ -108,4 +109,45 @@ TEST(Tensor, NarrowSharesStorage) {
   EXPECT_EQ(t.f32()[2 * 6 + 5], 7.0f);
   EXPECT_EQ(t.narrow(4, 0).numel(), 0);
   EXPECT_THROW(t.narrow(3, 2), Error);
+}
+
+TEST(BlockCache, LargeBlocksAreReusedAndBounded) {
+  release_cached_blocks();
+  const BlockCacheStats start = block_cache_stats();
+  void* first = nullptr;
+  {
+    Tensor a = Tensor::empty({3 << 20}, DType::F32, MemCategory::Scratch);  // 12 MiB
+    first = a.raw();
+    std::fill(a.f32(), a.f32() + a.numel(), 5.0f);
+  }
+  EXPECT_GE(block_cache_stats().cached_bytes, int64_t{12} << 20) << "kept, not unmapped";
+  {
+    // A slightly different size of the same 2 MiB class comes back from the cache...
+    Tensor b = Tensor::zeros({(3 << 20) - 1000}, DType::F32, MemCategory::Scratch);
+    EXPECT_EQ(b.raw(), first);
+    EXPECT_EQ(block_cache_stats().hits, start.hits + 1);
+    // ...and zeros() still zeroes a recycled block.
+    EXPECT_EQ(max_abs(b.f32(), b.numel()), 0.0);
+    EXPECT_EQ(MemoryTracker::instance().current(MemCategory::Scratch), b.nbytes())
+        << "the tracker counts what tensors use, not what the cache holds";
+  }
+  {
+    // A much smaller request does not take (and waste) the big block.
+    Tensor c = Tensor::empty({1 << 20}, DType::F32, MemCategory::Scratch);  // 4 MiB
+    EXPECT_NE(c.raw(), first);
+  }
+  // Never more than kMaxCachedBytes held.
+  {
+    std::vector<Tensor> many;
+    for (int i = 0; i < 12; ++i)
+      many.push_back(Tensor::empty({int64_t{24} << 20}, DType::F32, MemCategory::Scratch));  // 96 MiB
+  }
+  EXPECT_LE(block_cache_stats().cached_bytes, static_cast<int64_t>(kMaxCachedBytes));
+  release_cached_blocks();
+  EXPECT_EQ(block_cache_stats().cached_bytes, 0);
+  // Small blocks bypass the cache.
+  const int64_t misses = block_cache_stats().misses;
+  { Tensor d = Tensor::empty({1000}, DType::F32, MemCategory::Scratch); }
+  EXPECT_EQ(block_cache_stats().misses, misses);
+  EXPECT_EQ(block_cache_stats().cached_bytes, 0);
 }
