@@ -298,6 +298,42 @@ TEST(Train, ResumeReproducesAnUninterruptedRunBitwise) {
   EXPECT_EQ(expect_step, 15);
 }
 
+TEST(Train, CtrlCStopsAfterTheStepWithACheckpointAndResumesBitwise) {
+  const fs::path dir = scratch_dir("test_train_tmp");
+  TrainRequest full;
+  full.config = tiny_config(dir, 8);
+  full.config.run.out_dir = (dir / "full").string();
+  const TrainResult a = train(full);
+  EXPECT_FALSE(a.interrupted);
+
+  for (int sig : {SIGINT, SIGTERM}) {
+    const fs::path out = dir / (sig == SIGINT ? "int" : "term");
+    TrainRequest first;
+    first.config = tiny_config(dir, 8);
+    first.config.run.out_dir = out.string();
+    // The signal lands during step 4 (0-based 3): that step still finishes and is saved.
+    first.hooks.before_step = [sig](int64_t step, DeepSeekModel&) {
+      if (step == 3) raise(sig);
+    };
+    const TrainResult b = train(first);
+    EXPECT_TRUE(b.interrupted);
+    EXPECT_EQ(b.steps_done, 4);
+    EXPECT_EQ(b.last_checkpoint.filename(), "step_4");
+    // The handlers are gone with the run: the process is back to the default actions.
+    struct sigaction now = {};
+    sigaction(sig, nullptr, &now);
+    EXPECT_EQ(now.sa_handler, SIG_DFL);
+
+    TrainRequest rest;
+    rest.config = first.config;
+    rest.resume_from = latest_checkpoint(out / "checkpoints");
+    const TrainResult c = train(rest);
+    std::vector<double> joined = b.losses;
+    joined.insert(joined.end(), c.losses.begin(), c.losses.end());
+    EXPECT_TRUE(same_bits(joined, a.losses)) << "signal " << sig;
+  }
+}
+
 TEST(Train, NonFiniteStepsAreSkippedThenStopTheRun) {
   const fs::path dir = scratch_dir("test_train_tmp");
   TrainRequest req;

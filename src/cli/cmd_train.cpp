@@ -59,7 +59,8 @@ void run_train(const TrainArgs& a, const std::vector<std::string>& extras) {
       req.resume_from = *latest;
     }
   }
-  train(req);
+  // 130 = killed by SIGINT, by shell convention: scripts see the run did not finish.
+  if (train(req).interrupted) throw CLI::RuntimeError(130);
 }
 
 }  // namespace

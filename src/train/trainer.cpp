@@ -23,6 +23,7 @@
 #include "train/adamw.h"
 #include "train/evaluation.h"
 #include "train/gemm_peak.h"
+#include "train/interrupt.h"
 #include "train/lr_schedule.h"
 #include "train/metrics_log.h"
 #include "train/progress.h"
@@ -132,6 +133,7 @@ int64_t counted_targets(const Tensor& targets) {
 struct StepOutcome {
   double loss = 0, z_loss = 0, aux_loss = 0, grad_norm = 0, lr = 0, seconds = 0;
   bool finite = true;
+  bool stop_requested = false;  // Ctrl-C / SIGTERM on any rank
   json expert_load;
 };
 
@@ -182,6 +184,8 @@ class TrainingRun {
     MemoryTracker::instance().reset_peaks();
 
     bool checkpoint_due = false;
+    const InterruptGuard interrupt;
+    interrupt_ = &interrupt;
     while (st_.step < cfg_.schedule.steps) {
       const StepOutcome s = step();
       const bool last = st_.step == cfg_.schedule.steps;
@@ -196,7 +200,7 @@ class TrainingRun {
       record["memory"] = memory_json();
       if (metrics) metrics->write(record);
       show_progress(s);
-      checkpoint_due |= last || due(cfg_.checkpoint.every);
+      checkpoint_due |= last || due(cfg_.checkpoint.every) || s.stop_requested;
       // Only a state right after a good update is saved: a non-finite step may stem from
       // corrupted weights, and the last good checkpoint must survive the streak.
       if (checkpoint_due && st_.nonfinite_streak > 0) {
@@ -205,11 +209,19 @@ class TrainingRun {
         checkpoint_due = false;
         checkpoint();
       }
+      if (s.stop_requested) {
+        result_.stopped_early = result_.interrupted = true;
+        progress_.finish();
+        warn(fmt::format("interrupted: stopped after step {}; continue with `moe train --resume "
+                         "{}`", st_.step, out_dir_.string()));
+        break;
+      }
       if (req_.hooks.stop_after && req_.hooks.stop_after(st_.step)) {
         result_.stopped_early = true;
         break;
       }
     }
+    interrupt_ = nullptr;
     progress_.finish();
     if (checkpoint_due)
       warn(fmt::format("the last step was non-finite, so no checkpoint was written "
@@ -349,7 +361,9 @@ class TrainingRun {
     StepOutcome s;
     s.lr = schedule_.at(st_.step);
     model_.zero_grads();
-    double parts[3] = {0, 0, 0};  // this rank's share of the step's CE, z-loss and aux loss
+    // This rank's share of the step's CE, z-loss and aux loss, and whether it was asked to stop:
+    // one all-reduce makes all of them the same on every rank.
+    double parts[4] = {0, 0, 0, 0};
     for (int64_t m = 0; m < accum; ++m) {
       const Batch b = local_batch(sampler_.next_indices(cfg_.data.batch_size));
       // The cross-entropy is a mean over the counted tokens of the whole micro-batch, so a
@@ -369,11 +383,13 @@ class TrainingRun {
       }
       parts[2] += r.aux / (w * static_cast<double>(accum));
     }
+    parts[3] = interrupt_ && interrupt_->requested() ? 1.0 : 0.0;
     if (world().size() > 1) {
       reduce_gradients(model_, world(), *groups_.replicas);
       sum_router_counts(model_, world());
-      world().all_reduce_sum(parts, 3);
+      world().all_reduce_sum(parts, 4);
     }
+    s.stop_requested = parts[3] > 0;
     s.loss = parts[0];
     s.z_loss = parts[1];
     s.aux_loss = parts[2];
@@ -550,6 +566,7 @@ class TrainingRun {
   double peak_gflops_ = 0;
   TrainerState st_;
   TrainResult result_;
+  const InterruptGuard* interrupt_ = nullptr;
   double train_seconds_ = 0;
   int64_t steps_this_run_ = 0;
   int64_t n_recent_ = 0;

@@ -39,6 +39,7 @@ struct TrainResult {
   double seconds = 0;             // this process
   std::filesystem::path last_checkpoint;
   bool stopped_early = false;
+  bool interrupted = false;       // by Ctrl-C / SIGTERM (after a checkpoint of the last step)
 };
 
 struct TrainRequest {
