@@ -379,3 +379,23 @@ TEST(Mxfp4Experts, QuantizeCommandStreamsExpertByExpert) {
   EXPECT_NE(error_of([&] { quantize_model_experts(dir / "q", dir / "q2"); }).find("already MXFP4"),
             std::string::npos);
 }
+
+TEST(Mxfp4Experts, Bf16ExpertsQuantizeTheSameOnLoadAndInQuantize) {
+  const ModelConfig cfg = fp32_of(packed_config());
+  const fs::path dir = scratch_dir("test_mxfp4_tmp");
+  DeepSeekModel dense(cfg);
+  dense.init_weights(5);
+  save_model(dir / "bf16", cfg, dense.params(), DType::BF16);
+  quantize_model_experts(dir / "bf16", dir / "q");
+  DeepSeekModel from_q(resolve_model_config((dir / "q").string()));
+  load_weights(dir / "q", from_q.params());
+  DeepSeekModel on_load(packed_config());
+  load_weights(dir / "bf16", on_load.params());
+  int64_t packed = 0;
+  for (size_t i = 0; i < on_load.params().size(); ++i) {
+    packed += on_load.params()[i]->packed();
+    EXPECT_TRUE(same_bytes(on_load.params()[i]->value, from_q.params()[i]->value))
+        << on_load.params()[i]->name;
+  }
+  EXPECT_GT(packed, 0);
+}
