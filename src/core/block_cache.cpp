@@ -52,9 +52,9 @@ HostBlock allocate_block(size_t bytes) {
   Cache& c = cache();
   {
     std::lock_guard<std::mutex> lock(c.mutex);
-    // The smallest cached block that fits, unless it would waste more than half of itself.
+    // The smallest cached block that fits, unless more than a fifth of it would go unused.
     const auto it = c.free_blocks.lower_bound(size);
-    if (it != c.free_blocks.end() && it->first <= 2 * size) {
+    if (it != c.free_blocks.end() && 4 * it->first <= 5 * size) {
       const HostBlock b{it->second, it->first};
       c.cached -= it->first;
       c.free_blocks.erase(it);
