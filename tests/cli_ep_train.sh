@@ -43,6 +43,12 @@ run train --resume --config tiny.toml --ep 2 --schedule.steps 6 > resume.log 2>&
 grep -q "resumed from run/checkpoints/step_4 at step 4" resume.log || { cat resume.log; fail "no resume"; }
 [ -f run/checkpoints/step_6/trainer.json ] || fail "no step_6 after resume"
 
+# One process continues the 2-rank run: the saved EP size 2 does not divide 1 rank, so it
+# continues at EP 1 and says so.
+"$moe" --threads 1 train --resume run --schedule.steps 7 > alone.log 2>&1 || { cat alone.log; fail "one-process resume exited $?"; }
+grep -q "continues at 1" alone.log || { cat alone.log; fail "no EP note"; }
+[ -f run/checkpoints/step_7/trainer.json ] || fail "no step_7 after the one-process resume"
+
 # One process samples from the ranks' checkpoint: it is an ordinary sharded model.
 "$moe" --threads 1 sample --model run/checkpoints/step_6 --prompt "in the" --max-tokens 8 > sample.log 2>&1 || { cat sample.log; fail "sample"; }
 

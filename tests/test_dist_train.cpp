@@ -241,33 +241,40 @@ PackedSequences random_sequences(int64_t n, int64_t seq, int64_t vocab, uint64_t
 }
 
 TEST(DistTrain, UnevenValidationShardsEndTogether) {
-  const int w = g_world->size();
+  const int w = g_world->size(), rank = g_world->rank();
   const ModelConfig cfg = resolve_model_config("debug");
   const int64_t batch = 2 * w;
-  // Two full global batches and one sequence more: in the third only rank 0 has a sequence, so
-  // without the per-batch global minimum rank 0 would run a forward (an all-to-all) alone.
-  const PackedSequences data = random_sequences(2 * batch + 1, 16, cfg.vocab_size, 33);
   const ExpertParallelGroups groups =
       make_expert_parallel_groups(g_world, w, cfg.n_routed_experts, "ep");
   DeepSeekModel ep(cfg, make_dispatcher(groups));
   ep.init_weights(9);
-  const double got = evaluate(ep, data, batch, 0, *g_world);
-  const double got_capped = evaluate(ep, data, batch, 1, *g_world);
-
   DeepSeekModel one(cfg);
   one.init_weights(9);
-  // What the ranks evaluate: all of it alone, else the complete global batches.
-  const std::vector<int32_t>& all = data.tokens();
-  const PackedSequences seen =
-      w == 1 ? data
-             : PackedSequences(std::vector<int32_t>(all.begin(), all.begin() + 2 * batch * 16 + 1), 16);
-  const double want = evaluate(one, seen, batch, 0);
-  const double want_capped = evaluate(one, data, batch, 1);
+
+  // Two full global batches and one sequence more: in the third only rank 0 has a sequence;
+  // the others join its forward with an ignored one, so every sequence counts, as alone.
+  const PackedSequences data = random_sequences(2 * batch + 1, 16, cfg.vocab_size, 33);
+  const double got = evaluate(ep, data, batch, 0, *g_world);
+  const double want = evaluate(one, data, batch, 0);
   EXPECT_LE(std::abs(got - want) / want, 1e-6) << got << " vs " << want;
-  EXPECT_LE(std::abs(got_capped - want_capped) / want_capped, 1e-6);
-  double agreed = got;
+  EXPECT_LE(std::abs(evaluate(ep, data, batch, 1, *g_world) - evaluate(one, data, batch, 1)) /
+                want, 1e-6);
+  // Fewer sequences than ranks: still a number, not NaN.
+  const PackedSequences tiny = random_sequences(1, 16, cfg.vocab_size, 34);
+  const double got_tiny = evaluate(ep, tiny, batch, 0, *g_world);
+  EXPECT_LE(std::abs(got_tiny - evaluate(one, tiny, batch, 0)) / got_tiny, 1e-6);
+
+  // Shards of different lengths (rank r holds r + 1 global batches): without the per-batch
+  // minimum, rank 1 would start a second forward (an all-to-all) that rank 0 never joins and
+  // hang; ctest's TIMEOUT turns that into a failure. With it, all stop after one batch.
+  const PackedSequences mine = random_sequences((rank + 1) * batch, 16, cfg.vocab_size, 40);
+  const PackedSequences first_batch = random_sequences(batch, 16, cfg.vocab_size, 40);
+  const double uneven = evaluate(ep, mine, batch, 0, *g_world);
+  double agreed = uneven;
   g_world->all_reduce_sum(&agreed, 1);
-  EXPECT_EQ(agreed, got * w) << "every rank reports the same validation loss";
+  EXPECT_EQ(agreed, uneven * w) << "every rank reports the same validation loss";
+  // Every rank's first batch is the same here (same seed, a prefix), so it is one process's.
+  EXPECT_LE(std::abs(uneven - evaluate(one, first_batch, batch, 0)) / uneven, 1e-6);
   EXPECT_EQ(routing_bytes(), 0);
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }

@@ -332,6 +332,19 @@ TEST(Mxfp4Experts, APackedWeightWithoutItsScaleIsAnError) {
   EXPECT_NE(e.find("model.layers.2.mlp.experts.6.up_proj.weight"), std::string::npos) << e;
   EXPECT_NE(e.find("has no scale tensor '" + missing + "'"), std::string::npos) << e;
 
+  // A missing packed weight is reported as missing (its scales are there).
+  items.clear();
+  for (Param* p : a.params())
+    if (p->name != "model.layers.1.mlp.experts.2.gate_proj.weight")
+      items.push_back({p->name, p->value,
+                       p->format == ParamFormat::Mxfp4Data     ? "I8"
+                       : p->format == ParamFormat::Mxfp4Scales ? "F8_E8M0"
+                                                               : ""});
+  write_safetensors_with_dtypes(dir / "m" / kSafetensorsSingleFile, items);
+  const std::string e3 = error_of([&] { load_weights(dir / "m", b.params()); });
+  EXPECT_NE(e3.find("have no tensor 'model.layers.1.mlp.experts.2.gate_proj.weight'"),
+            std::string::npos) << e3;
+
   // And an fp32 model refuses packed experts instead of misreading the bytes.
   DeepSeekModel c(fp32_of(cfg));
   save_model(dir / "full", cfg, a.params());

@@ -442,6 +442,14 @@ TEST(Train, ModelWeightsStartTheRunFromASavedModel) {
   const TrainResult b = train(loaded);
   EXPECT_TRUE(same_bits(a.losses, b.losses));
 
+  // A resume takes the weights from its checkpoint: the start directory may be gone.
+  fs::rename(dir / "init", dir / "init-moved");
+  TrainRequest more;
+  more.config = loaded.config;
+  more.config.schedule.steps = 4;
+  more.resume_from = latest_checkpoint(dir / "loaded" / "checkpoints");
+  EXPECT_EQ(train(more).steps_done, 4);
+
   loaded.config.model.weights = (dir / "nowhere").string();
   loaded.config.run.out_dir = (dir / "loaded2").string();
   const std::string e = error_of([&] { train(loaded); });

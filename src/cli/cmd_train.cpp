@@ -2,7 +2,9 @@
 // overridable as --section.key value.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <numeric>
 #include <optional>
 
 #include "cli/commands.h"
@@ -37,6 +39,8 @@ fs::path resolve_checkpoint(const fs::path& path) {
 void run_train(const TrainArgs& a, const std::vector<std::string>& extras) {
   std::vector<ConfigOverride> overrides = parse_override_args(extras);
   if (a.ep > 0) overrides.push_back({"parallel.ep", std::to_string(a.ep)});
+  const bool ep_given = std::any_of(overrides.begin(), overrides.end(),
+                                    [](const ConfigOverride& o) { return o.key == "parallel.ep"; });
   TrainRequest req;
   // Under mpirun every rank runs this same command; alone, a one-rank world without MPI.
   req.world = make_world_communicator();
@@ -47,6 +51,16 @@ void run_train(const TrainArgs& a, const std::vector<std::string>& extras) {
                      ? parse_train_config(read_trainer_state(*req.resume_from).config_toml,
                                           (*req.resume_from / kTrainerStateFile).string(), overrides)
                      : load_train_config(a.config_file, overrides);
+    // Checkpoints resume at any number of ranks; the saved EP size may not divide the new one.
+    // Unless --ep says otherwise, keep as much of it as the new world allows.
+    if (a.config_file.empty() && !ep_given) {
+      const int64_t saved = req.config.parallel.ep, w = req.world->size();
+      req.config.parallel.ep = std::gcd(saved, w);
+      if (req.config.parallel.ep != saved && req.world->rank() == 0)
+        fmt::print(stderr, "note: the run was saved at expert-parallel size {}; on {} rank{} it "
+                   "continues at {} (give --ep to choose)\n", saved, w, w == 1 ? "" : "s",
+                   req.config.parallel.ep);
+    }
   } else {
     MOE_CHECK(!a.config_file.empty(), "--config is required (or --resume PATH to continue a run "
               "under its saved configuration)");

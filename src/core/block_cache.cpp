@@ -32,13 +32,26 @@ Cache& cache() {
   return *c;
 }
 
+void release_all(Cache& c);
+
 void* fresh(size_t bytes, size_t alignment) {
   void* p = std::aligned_alloc(alignment, bytes);
+  if (p == nullptr) {  // blocks held for reuse are worth less than this allocation
+    release_all(cache());
+    p = std::aligned_alloc(alignment, bytes);
+  }
   MOE_CHECK(p != nullptr, "out of memory allocating {}", format_bytes(static_cast<int64_t>(bytes)));
 #ifdef MADV_HUGEPAGE
   if (alignment == kGranule) madvise(p, bytes, MADV_HUGEPAGE);  // a hint; failure is harmless
 #endif
   return p;
+}
+
+void release_all(Cache& c) {
+  std::lock_guard<std::mutex> lock(c.mutex);
+  for (auto& [size, p] : c.free_blocks) std::free(p);
+  c.free_blocks.clear();
+  c.cached = 0;
 }
 
 }  // namespace
@@ -90,12 +103,6 @@ BlockCacheStats block_cache_stats() {
   return {static_cast<int64_t>(c.cached), c.hits, c.misses};
 }
 
-void release_cached_blocks() {
-  Cache& c = cache();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  for (auto& [size, p] : c.free_blocks) std::free(p);
-  c.free_blocks.clear();
-  c.cached = 0;
-}
+void release_cached_blocks() { release_all(cache()); }
 
 }  // namespace moe

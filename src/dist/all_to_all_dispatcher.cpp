@@ -110,6 +110,7 @@ Dispatched AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& ids, cons
   const ExpertRange local = local_experts(num_experts);
   const int64_t per = local.count, E = num_experts;
   const int32_t* id = ids.i32();
+  MOE_CHECK(slots < kMax, "dispatch: {} token slots exceed the 32-bit row index", slots);
 
   // 1. Send order: stable counting sort by global expert (= destination rank, then expert).
   Tensor side = Tensor::empty({2 + 2 * static_cast<int64_t>(e) + slots}, DType::I32,

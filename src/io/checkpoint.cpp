@@ -128,6 +128,15 @@ void load_weights(const SafetensorsSet& weights, const ParamList& params) {
   std::set<const Param*> filled_by_pair;
   for (Param* p : params) {
     if (p->format == ParamFormat::Mxfp4Scales) continue;  // with its weight, below
+    Param* scales = nullptr;
+    if (p->format == ParamFormat::Mxfp4Data) {
+      const auto sit = by_name.find(scale_name_of(p->name));
+      MOE_CHECK(sit != by_name.end() && sit->second->format == ParamFormat::Mxfp4Scales,
+                "internal: MXFP4 weight '{}' has no scale parameter '{}'", p->name,
+                scale_name_of(p->name));
+      scales = sit->second;
+      filled_by_pair.insert(scales);  // even when the weight turns out to be missing
+    }
     const SafetensorsReader* reader = weights.find(p->name);
     if (reader == nullptr) {
       if (optional_in_checkpoint(p->name))
@@ -154,12 +163,8 @@ void load_weights(const SafetensorsSet& weights, const ParamList& params) {
       continue;
     }
     // An MXFP4 pair: packed bytes + scales copied as they are, or fp32/bf16 quantized here.
-    const std::string scale_key = scale_name_of(p->name);
-    const auto sit = by_name.find(scale_key);
-    MOE_CHECK(sit != by_name.end() && sit->second->format == ParamFormat::Mxfp4Scales,
-              "internal: MXFP4 weight '{}' has no scale parameter '{}'", p->name, scale_key);
-    Param* q = sit->second;
-    filled_by_pair.insert(q);
+    const std::string scale_key = scales->name;
+    Param* q = scales;
     const Shape unpacked = {p->value.dim(0), p->value.dim(1) * 2};
     if (is_byte_dtype(e.dtype)) {
       MOE_CHECK(e.shape == p->value.shape(),

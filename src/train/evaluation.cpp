@@ -37,16 +37,21 @@ double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch
   const int64_t part = batch / w;
   double sums[2] = {0, 0};  // Σ ce·tokens, Σ tokens
   for (int64_t g = 0; max_batches == 0 || g < max_batches; ++g) {
-    const int64_t first = g * batch + rank * part;
-    const int64_t last = std::min(data.size(), first + part);
-    int64_t have = last > first ? 1 : 0;
+    // Does this rank's data hold global batch g at all? The minimum over ranks decides for
+    // everyone, so ranks whose data differ in length still stop at the same batch.
+    int64_t have = g * batch < data.size() ? 1 : 0;
     world.all_reduce_min(&have, 1);
     if (have == 0) break;
+    const int64_t first = g * batch + rank * part;
+    const int64_t last = std::min(data.size(), first + part);
     std::vector<int64_t> idx;
     for (int64_t j = first; j < last; ++j) idx.push_back(j);
-    const Batch b = make_batch(data, idx);
+    // A rank whose part of the tail batch is empty still takes part in the forward (it is a
+    // collective under expert parallelism) with one sequence whose targets are all ignored.
+    Batch b = make_batch(data, idx.empty() ? std::vector<int64_t>{0} : idx);
+    if (idx.empty()) std::fill(b.targets.i32(), b.targets.i32() + b.targets.numel(), kIgnoreIndex);
     const LossResult r = model.forward(b.tokens, b.targets, b.shape, Pass::Eval);
-    if (r.tokens == 0) continue;  // a part of ignored targets only: ce is 0/0
+    if (r.tokens == 0) continue;
     sums[0] += r.ce * static_cast<double>(r.tokens);
     sums[1] += static_cast<double>(r.tokens);
   }

@@ -14,14 +14,14 @@ class DeepSeekModel;
 // counted tokens, in Pass::Eval. NaN for empty data.
 double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch, int64_t max_batches);
 
-// The same over the ranks of `world` (every rank calls it with the same data): global batch g
-// holds sequences [g·batch, (g+1)·batch), and rank r evaluates the r-th of W parts of batch / W
-// sequences (batch must be divisible by W). At the tail some parts are short or empty, and an
-// expert-parallel forward is a collective, so a rank that ran out cannot simply leave: before
-// each batch the ranks agree with one all_reduce_min whether every rank still has sequences, and
-// the loop ends for all of them at the first batch where one has none (those tail sequences are
-// not evaluated). The result is the token-weighted mean over every evaluated token of every
-// rank, identical on all ranks.
+// The same over the ranks of `world`: global batch g holds sequences [g·batch, (g+1)·batch),
+// and rank r evaluates the r-th of W parts of batch / W sequences (batch must be divisible by
+// W); a rank whose part of the tail batch is empty joins the forward with one fully ignored
+// sequence, so every sequence is evaluated, as by one process. An expert-parallel forward is a
+// collective, so the ranks must run the same number of batches: before each one they agree
+// with one all_reduce_min whether every rank's data still holds it (ranks given data of
+// different lengths stop together at the shortest). The result is the token-weighted mean over
+// every evaluated token of every rank, identical on all ranks.
 double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch,
                 int64_t max_batches, Communicator& world);
 

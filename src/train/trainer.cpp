@@ -99,10 +99,11 @@ void check_same_model(const fs::path& dir, const ModelConfig& configured) {
 }
 
 // Initial weights (random, or model.weights: each rank reads only the tensors it holds) and
-// gradient buffers; returns the params AdamW updates.
-ParamList prepare_for_training(DeepSeekModel& model, const TrainConfig& cfg) {
+// gradient buffers; returns the params AdamW updates. A resume takes its weights from the
+// checkpoint, so model.weights (which may be gone by then) is not read.
+ParamList prepare_for_training(DeepSeekModel& model, const TrainConfig& cfg, bool resuming) {
   model.init_weights(static_cast<uint64_t>(cfg.run.seed));
-  if (!cfg.model.weights.empty()) {
+  if (!cfg.model.weights.empty() && !resuming) {
     MOE_CHECK(fs::is_directory(cfg.model.weights),
               "model.weights: {}: not a model directory (config.json + safetensors)",
               cfg.model.weights);
@@ -153,7 +154,7 @@ class TrainingRun {
                                 tokenizer_->end_of_text())),
         groups_(make_groups(cfg_, req.world, mc_)),
         model_(mc_, make_dispatcher(groups_)),
-        trainable_(prepare_for_training(model_, cfg_)),
+        trainable_(prepare_for_training(model_, cfg_, req.resume_from.has_value())),
         opt_(trainable_, adamw_config(cfg_.optimizer)),
         sampler_(corpus_.train, static_cast<uint64_t>(cfg_.run.seed), cfg_.data.shuffle),
         schedule_{cfg_.optimizer.lr, cfg_.schedule.min_lr, cfg_.schedule.warmup_steps,
