@@ -35,16 +35,17 @@ class ExpertWeights {
   virtual int64_t hidden() const = 0;
   virtual ExpertRange experts() const = 0;
 
+  // The input-side products, cut into work items here once for every store; a store supplies
+  // the two single-threaded per-item matmuls below.
   // g, u [R, hidden] = x [R, dim] · W_gateᵀ, W_upᵀ.
-  virtual void gate_up_forward(const ExpertSegments& seg, const float* x, float* g,
-                               float* u) const = 0;
+  void gate_up_forward(const ExpertSegments& seg, const float* x, float* g, float* u) const;
   // y [R, dim] = h [R, hidden] · W_downᵀ.
-  virtual void down_forward(const ExpertSegments& seg, const float* h, float* y) const = 0;
+  void down_forward(const ExpertSegments& seg, const float* h, float* y) const;
   // dh [R, hidden] = dy [R, dim] · W_down.
-  virtual void down_backward_input(const ExpertSegments& seg, const float* dy, float* dh) const = 0;
+  void down_backward_input(const ExpertSegments& seg, const float* dy, float* dh) const;
   // dx [R, dim] = dg · W_gate + du · W_up.
-  virtual void gate_up_backward_input(const ExpertSegments& seg, const float* dg, const float* du,
-                                      float* dx) const = 0;
+  void gate_up_backward_input(const ExpertSegments& seg, const float* dg, const float* du,
+                              float* dx) const;
 
   // Trainable storage keeps gradients; frozen storage needs no saved expert inputs at all.
   virtual bool trainable() const = 0;
@@ -56,6 +57,17 @@ class ExpertWeights {
 
   virtual void collect(ParamList& out) = 0;
   virtual void allocate_grads() = 0;
+
+ protected:
+  // Matrix `part` (0 gate, 1 up, 2 down) of local expert e is W [out, in]: gate and up
+  // [hidden, dim], down [dim, hidden].
+  // y[m, cn] = x[m, in] · W[c0 : c0 + cn, :]ᵀ
+  virtual void times_weight_t(int64_t e, int part, int64_t m, const float* x, int64_t ldx,
+                              int64_t c0, int64_t cn, float* y, int64_t ldy) const = 0;
+  // dx[m, cn] (+)= dy[m, out] · W[:, c0 : c0 + cn]   (c0 a multiple of 32)
+  virtual void times_weight(int64_t e, int part, int64_t m, const float* dy, int64_t lddy,
+                            int64_t c0, int64_t cn, float* dx, int64_t lddx,
+                            bool accumulate) const = 0;
 };
 
 // fp32 master weights. Gate‖up of all local experts is one block [count, 2·hidden, dim] and
@@ -71,12 +83,6 @@ class DenseExpertWeights : public ExpertWeights {
   int64_t hidden() const override { return hidden_; }
   ExpertRange experts() const override { return range_; }
 
-  void gate_up_forward(const ExpertSegments& seg, const float* x, float* g,
-                       float* u) const override;
-  void down_forward(const ExpertSegments& seg, const float* h, float* y) const override;
-  void down_backward_input(const ExpertSegments& seg, const float* dy, float* dh) const override;
-  void gate_up_backward_input(const ExpertSegments& seg, const float* dg, const float* du,
-                              float* dx) const override;
   bool trainable() const override { return !frozen_; }
   // Frozen fp32 experts (the baseline packed experts are measured against): no gradients, no
   // saved inputs. Call before allocate_grads.
@@ -101,7 +107,17 @@ class DenseExpertWeights : public ExpertWeights {
   const Param& up(int64_t e) const { return params_[static_cast<size_t>(3 * e + 1)]; }
   const Param& down(int64_t e) const { return params_[static_cast<size_t>(3 * e + 2)]; }
 
+ protected:
+  void times_weight_t(int64_t e, int part, int64_t m, const float* x, int64_t ldx, int64_t c0,
+                      int64_t cn, float* y, int64_t ldy) const override;
+  void times_weight(int64_t e, int part, int64_t m, const float* dy, int64_t lddy, int64_t c0,
+                    int64_t cn, float* dx, int64_t lddx, bool accumulate) const override;
+
  private:
+  const Param& matrix(int64_t e, int part) const {
+    return params_[static_cast<size_t>(3 * e + part)];
+  }
+
   int64_t dim_ = 0, hidden_ = 0;
   ExpertRange range_;
   bool frozen_ = false;

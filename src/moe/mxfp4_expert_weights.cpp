@@ -2,11 +2,8 @@
 
 #include "core/error.h"
 #include "kernels/mxfp4.h"
-#include "moe/expert_work_items.h"
 
 namespace moe {
-
-using namespace expert_items;
 
 void Mxfp4ExpertWeights::init(const std::string& prefix, ExpertRange experts, int64_t dim,
                               int64_t hidden) {
@@ -87,50 +84,16 @@ Mxfp4Matrix col_range(Mxfp4Matrix w, int64_t c0, int64_t cn) {
 
 }  // namespace
 
-void Mxfp4ExpertWeights::gate_up_forward(const ExpertSegments& seg, const float* x, float* g,
-                                         float* u) const {
-  const int64_t D = dim_, H = hidden_;
-  auto items = row_items(seg, 2, H, D);
-  run_items(items, [&](const Item& it) {
-    const int64_t row = seg.begin(it.expert) + it.r0;
-    const Mxfp4Matrix w = row_range(matrix(it.expert, static_cast<int>(it.part)), it.c0, it.cn);
-    float* out = it.part == 0 ? g : u;
-    mxfp4_gemm_nt(it.rn, x + row * D, D, w, out + row * H + it.c0, H, false);
-  });
+void Mxfp4ExpertWeights::times_weight_t(int64_t e, int part, int64_t m, const float* x,
+                                        int64_t ldx, int64_t c0, int64_t cn, float* y,
+                                        int64_t ldy) const {
+  mxfp4_gemm_nt(m, x, ldx, row_range(matrix(e, part), c0, cn), y, ldy, false);
 }
 
-void Mxfp4ExpertWeights::down_forward(const ExpertSegments& seg, const float* h, float* y) const {
-  const int64_t D = dim_, H = hidden_;
-  auto items = row_items(seg, 1, D, H);
-  run_items(items, [&](const Item& it) {
-    const int64_t row = seg.begin(it.expert) + it.r0;
-    const Mxfp4Matrix w = row_range(down(it.expert), it.c0, it.cn);
-    mxfp4_gemm_nt(it.rn, h + row * H, H, w, y + row * D + it.c0, D, false);
-  });
-}
-
-void Mxfp4ExpertWeights::down_backward_input(const ExpertSegments& seg, const float* dy,
-                                             float* dh) const {
-  const int64_t D = dim_, H = hidden_;
-  auto items = row_items(seg, 1, H, D);
-  run_items(items, [&](const Item& it) {
-    const int64_t row = seg.begin(it.expert) + it.r0;
-    const Mxfp4Matrix w = col_range(down(it.expert), it.c0, it.cn);
-    mxfp4_gemm_nn(it.rn, dy + row * D, D, w, dh + row * H + it.c0, H, false);
-  });
-}
-
-void Mxfp4ExpertWeights::gate_up_backward_input(const ExpertSegments& seg, const float* dg,
-                                                const float* du, float* dx) const {
-  const int64_t D = dim_, H = hidden_;
-  auto items = row_items(seg, 1, D, 2 * H);
-  run_items(items, [&](const Item& it) {
-    const int64_t row = seg.begin(it.expert) + it.r0;
-    float* out = dx + row * D + it.c0;
-    // Gate then up into the same tile: a fixed two-term order.
-    mxfp4_gemm_nn(it.rn, dg + row * H, H, col_range(gate(it.expert), it.c0, it.cn), out, D, false);
-    mxfp4_gemm_nn(it.rn, du + row * H, H, col_range(up(it.expert), it.c0, it.cn), out, D, true);
-  });
+void Mxfp4ExpertWeights::times_weight(int64_t e, int part, int64_t m, const float* dy,
+                                      int64_t lddy, int64_t c0, int64_t cn, float* dx,
+                                      int64_t lddx, bool accumulate) const {
+  mxfp4_gemm_nn(m, dy, lddy, col_range(matrix(e, part), c0, cn), dx, lddx, accumulate);
 }
 
 void Mxfp4ExpertWeights::gate_up_backward_weight(const ExpertSegments&, const float*,

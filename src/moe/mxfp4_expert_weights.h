@@ -29,12 +29,6 @@ class Mxfp4ExpertWeights : public ExpertWeights {
   int64_t hidden() const override { return hidden_; }
   ExpertRange experts() const override { return range_; }
 
-  void gate_up_forward(const ExpertSegments& seg, const float* x, float* g,
-                       float* u) const override;
-  void down_forward(const ExpertSegments& seg, const float* h, float* y) const override;
-  void down_backward_input(const ExpertSegments& seg, const float* dy, float* dh) const override;
-  void gate_up_backward_input(const ExpertSegments& seg, const float* dg, const float* du,
-                              float* dx) const override;
   bool trainable() const override { return false; }
   void gate_up_backward_weight(const ExpertSegments&, const float*, const float*,
                                const float*) override;
@@ -48,6 +42,12 @@ class Mxfp4ExpertWeights : public ExpertWeights {
   Mxfp4Matrix gate(int64_t e) const { return matrix(e, 0); }
   Mxfp4Matrix up(int64_t e) const { return matrix(e, 1); }
   Mxfp4Matrix down(int64_t e) const { return matrix(e, 2); }
+
+ protected:
+  void times_weight_t(int64_t e, int part, int64_t m, const float* x, int64_t ldx, int64_t c0,
+                      int64_t cn, float* y, int64_t ldy) const override;
+  void times_weight(int64_t e, int part, int64_t m, const float* dy, int64_t lddy, int64_t c0,
+                    int64_t cn, float* dx, int64_t lddx, bool accumulate) const override;
 
  private:
   // part 0 gate, 1 up, 2 down.
