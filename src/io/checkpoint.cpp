@@ -163,8 +163,7 @@ void load_weights(const SafetensorsSet& weights, const ParamList& params) {
       continue;
     }
     // An MXFP4 pair: packed bytes + scales copied as they are, or fp32/bf16 quantized here.
-    const std::string scale_key = scales->name;
-    Param* q = scales;
+    const std::string& scale_key = scales->name;
     const Shape unpacked = {p->value.dim(0), p->value.dim(1) * 2};
     if (is_byte_dtype(e.dtype)) {
       MOE_CHECK(e.shape == p->value.shape(),
@@ -175,24 +174,24 @@ void load_weights(const SafetensorsSet& weights, const ParamList& params) {
       MOE_CHECK(sreader != nullptr,
                 "{}: MXFP4 weight '{}' ({}) has no scale tensor '{}' (F8_E8M0 {}) in {}; packed "
                 "weights cannot be used without their block scales", file, p->name, e.dtype,
-                scale_key, shape_str(q->value.shape()), weights.dir().string());
+                scale_key, shape_str(scales->value.shape()), weights.dir().string());
       const SafetensorsEntry& se = sreader->entry(scale_key);
       MOE_CHECK(se.dtype == "F8_E8M0" || se.dtype == "U8",
                 "{}: scale tensor '{}' has dtype {}, expected F8_E8M0", sreader->path().string(),
                 scale_key, se.dtype);
-      MOE_CHECK(se.shape == q->value.shape(),
+      MOE_CHECK(se.shape == scales->value.shape(),
                 "{}: scale tensor '{}' has shape {}, the model expects {} ([out, in/32])",
                 sreader->path().string(), scale_key, shape_str(se.shape),
-                shape_str(q->value.shape()));
+                shape_str(scales->value.shape()));
       sources.push_back({Source::Copy, p, reader});
-      sources.push_back({Source::Copy, q, sreader});
+      sources.push_back({Source::Copy, scales, sreader});
     } else {
       MOE_CHECK(e.dtype == "F32" || e.dtype == "BF16",
                 "{}: tensor '{}' has dtype {}; an MXFP4 expert loads from I8 + F8_E8M0 scales, "
                 "or from F32/BF16 (quantized on load)", file, p->name, e.dtype);
       MOE_CHECK(e.shape == unpacked, "{}: tensor '{}' has shape {}, the model expects {}", file,
                 p->name, shape_str(e.shape), shape_str(unpacked));
-      sources.push_back({Source::Quantize, p, reader, q});
+      sources.push_back({Source::Quantize, p, reader, scales});
     }
   }
   for (Param* p : params)
