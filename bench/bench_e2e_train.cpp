@@ -10,10 +10,12 @@
 
 #include "core/parallel.h"
 #include "core/rng.h"
+#include "core/simd.h"
 #include "io/model_spec.h"
+#include "kernels/fma_peak.h"
 #include "model/model.h"
 #include "train/adamw.h"
-#include "train/gemm_peak.h"
+#include "machine_peak.h"
 
 using namespace moe;
 
@@ -37,12 +39,16 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps);
   app.add_option("--warmup", warmup);
   app.add_option("--threads", threads);
+  std::string simd_name = "auto";
+  app.add_option("--simd", simd_name, "SIMD target: auto, avx512, avx2, scalar");
   CLI11_PARSE(app, argc, argv);
   set_num_threads(threads);
+  simd::select(simd::parse(simd_name, "--simd"));
 
   ModelConfig cfg = resolve_model_config(config);
   if (vocab > 0) cfg.vocab_size = vocab;
-  const double peak = gemm_peak_gflops(1536, 5);
+  const FmaPeak fma = measure_fma_peak(threads);
+  const double gemm_peak = bench::gemm_rate_gflops(1536, 5);
   DeepSeekModel model(cfg);
   model.init_weights(1);
   model.allocate_grads();
@@ -76,11 +82,13 @@ int main(int argc, char** argv) {
   const MemSnapshot mem = MemoryTracker::instance().snapshot();
   fmt::print(
       "{{\"impl\": \"moe\", \"config\": \"{}\", \"threads\": {}, \"batch\": {}, \"seq\": {}, "
-      "\"params\": {}, \"tokens_per_s\": {:.1f}, \"model_gflops\": {:.1f}, \"gemm_peak_gflops\": "
-      "{:.1f}, \"mfu\": {:.3f}, \"peak_rss_bytes\": {}, \"tracked_peak_bytes\": {}, \"loss\": "
-      "{:.4f}, \"blas\": \"{}\"}}\n",
-      config, threads, batch, seq, count_params(cfg).total, tps, gflops, peak, gflops / peak,
-      static_cast<int64_t>(ru.ru_maxrss) * 1024, mem.total_peak(), loss, blas_kernel_name());
+      "\"params\": {}, \"tokens_per_s\": {:.1f}, \"model_gflops\": {:.1f}, \"fma_peak_gflops\": "
+      "{:.1f}, \"mfu\": {:.3f}, \"gemm_peak_gflops\": {:.1f}, \"of_gemm_peak\": {:.3f}, "
+      "\"peak_rss_bytes\": {}, \"tracked_peak_bytes\": {}, \"loss\": {:.4f}, \"simd\": \"{}\", "
+      "\"cpu\": \"{}\"}}\n",
+      config, threads, batch, seq, count_params(cfg).total, tps, gflops, fma.gflops,
+      gflops / fma.gflops, gemm_peak, gflops / gemm_peak, static_cast<int64_t>(ru.ru_maxrss) * 1024,
+      mem.total_peak(), loss, fma.target, fma.cpu);
   fmt::print(stderr, "tracked memory by category (current / peak):\n{}", MemoryTracker::instance().report());
   return 0;
 }

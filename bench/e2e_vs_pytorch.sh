@@ -15,5 +15,6 @@ import json, sys
 e, t = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 print(f"tokens/s  moe {e['tokens_per_s']:.0f}  pytorch {t['tokens_per_s']:.0f}  ratio {e['tokens_per_s'] / t['tokens_per_s']:.2f}x")
 print(f"peak RSS  moe {e['peak_rss_bytes'] / 2**20:.0f} MiB  pytorch {t['peak_rss_bytes'] / 2**20:.0f} MiB  ratio {e['peak_rss_bytes'] / t['peak_rss_bytes']:.2f}x")
-print(f"MFU       moe {e['mfu']:.1%} of the measured {e['gemm_peak_gflops']:.0f} GFLOP/s GEMM peak")
+print(f"MFU       moe {e['mfu']:.1%} of the {e['fma_peak_gflops']:.0f} GFLOP/s fp32 FMA peak ({e['simd']}, {e['cpu']}); "
+      f"{e['of_gemm_peak']:.1%} of the engine's {e['gemm_peak_gflops']:.0f} GFLOP/s GEMM peak")
 PY

@@ -4,7 +4,6 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/tensor.h"
-#include "kernels/gemm.h"
 #include "test_util.h"
 
 using namespace moe;
@@ -44,61 +43,6 @@ TEST(BF16, RoundsToNearestEven) {
   EXPECT_EQ(f32_to_bf16(1.01171875f), 0x3f82);
   EXPECT_EQ(bf16_to_f32(0x3f80), 1.0f);
   EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(std::nanf("")))));
-}
-
-static void reference_gemm(int64_t M, int64_t N, int64_t K, const float* A, bool ta, const float* B,
-                           bool tb, std::vector<double>& C) {
-  C.assign(static_cast<size_t>(M * N), 0.0);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) {
-      double s = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const double a = ta ? A[k * M + i] : A[i * K + k];
-        const double b = tb ? B[j * K + k] : B[k * N + j];
-        s += a * b;
-      }
-      C[static_cast<size_t>(i * N + j)] = s;
-    }
-}
-
-TEST(Gemm, AllLayoutsMatchDoubleReference) {
-  Rng rng(1);
-  for (auto [M, N, K] : std::vector<std::array<int64_t, 3>>{{1, 1, 1}, {7, 13, 5}, {33, 17, 64}, {0, 5, 3}, {4, 0, 3}}) {
-    Tensor A = random_tensor({M * K + 1}, rng), B = random_tensor({N * K + 1}, rng);
-    Tensor C = Tensor::zeros({M * N + 1}, DType::F32, MemCategory::Scratch);
-    std::vector<double> ref;
-    gemm_nt(M, N, K, A.f32(), K, B.f32(), K, C.f32(), N, false);
-    reference_gemm(M, N, K, A.f32(), false, B.f32(), true, ref);
-    EXPECT_LT(rel_error(C.f32(), ref.data(), M * N), 1e-6);
-    gemm_nn(M, N, K, A.f32(), K, B.f32(), N, C.f32(), N, false);
-    reference_gemm(M, N, K, A.f32(), false, B.f32(), false, ref);
-    EXPECT_LT(rel_error(C.f32(), ref.data(), M * N), 1e-6);
-    gemm_tn(M, N, K, A.f32(), M, B.f32(), N, C.f32(), N, false);
-    reference_gemm(M, N, K, A.f32(), true, B.f32(), false, ref);
-    EXPECT_LT(rel_error(C.f32(), ref.data(), M * N), 1e-6);
-  }
-}
-
-TEST(Gemm, EmptyContractionClearsOrKeeps) {
-  Tensor C = Tensor::empty({6}, DType::F32, MemCategory::Scratch);
-  for (int i = 0; i < 6; ++i) C.f32()[i] = 3.0f;
-  gemm_nt(2, 3, 0, nullptr, 0, nullptr, 0, C.f32(), 3, /*accumulate=*/true);
-  EXPECT_EQ(C.f32()[5], 3.0f);
-  gemm_nt(2, 3, 0, nullptr, 0, nullptr, 0, C.f32(), 3, /*accumulate=*/false);
-  EXPECT_EQ(C.f32()[5], 0.0f);
-}
-
-TEST(Gemm, BitwiseSameForOneAndTwoThreads) {
-  Rng rng(2);
-  const int64_t T = 257, in = 300, out = 129;
-  Tensor x = random_tensor({T, in}, rng), dy = random_tensor({T, out}, rng);
-  Tensor dW1 = Tensor::zeros({out, in}, DType::F32, MemCategory::Scratch);
-  Tensor dW2 = dW1.clone(MemCategory::Scratch);
-  set_num_threads(1);
-  linear_backward_weight(dy.f32(), x.f32(), dW1.f32(), T, in, out);
-  set_num_threads(2);
-  linear_backward_weight(dy.f32(), x.f32(), dW2.f32(), T, in, out);
-  EXPECT_EQ(std::memcmp(dW1.raw(), dW2.raw(), static_cast<size_t>(dW1.nbytes())), 0);
 }
 
 TEST(Tensor, NarrowSharesStorage) {

@@ -512,11 +512,15 @@ TEST(TrainCli, TrainResumeAndSample) {
   ASSERT_EQ(c.status, 0) << c.output;
   EXPECT_NE(c.output.find("step 3/3"), std::string::npos) << c.output;
   EXPECT_NE(c.output.find("unigram baseline"), std::string::npos) << c.output;
-  EXPECT_NE(c.output.find("GEMM peak: "), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("MFU is against the "), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("GFLOP/s fp32 FMA peak"), std::string::npos) << c.output;
   EXPECT_NE(c.output.find("| MFU "), std::string::npos) << c.output;
   for (const char* name : {"loss.svg", "expert_load.svg", "summary.md"})
     EXPECT_TRUE(fs::exists(dir / "run" / "report" / name)) << name;
   EXPECT_NE(read_file(dir / "run" / "metrics.jsonl").find("\"mfu\":"), std::string::npos);
+  EXPECT_NE(read_file(dir / "run" / "metrics.jsonl").find("\"fma_peak_gflops\":"), std::string::npos);
+  EXPECT_NE(read_file(dir / "run" / "report" / "summary.md").find("GFLOP/s fp32 FMA peak"),
+            std::string::npos);
   c = run_moe(cfg + " --resume");
   ASSERT_EQ(c.status, 0) << c.output;
   EXPECT_NE(c.output.find("resumed from"), std::string::npos) << c.output;

@@ -12,6 +12,7 @@ const char* mem_category_name(MemCategory c) {
     case MemCategory::Activations: return "activations";
     case MemCategory::Routing: return "routing";
     case MemCategory::Scratch: return "scratch";
+    case MemCategory::Workspace: return "workspace";
     case MemCategory::Count: break;
   }
   return "?";

@@ -9,7 +9,10 @@
 
 namespace moe {
 
-enum class MemCategory : int { Weights = 0, Grads, Optimizer, Activations, Routing, Scratch, Count };
+// Workspace: the kernels' per-thread packing buffers (bounded by block sizes, kept for reuse).
+enum class MemCategory : int {
+  Weights = 0, Grads, Optimizer, Activations, Routing, Scratch, Workspace, Count
+};
 
 const char* mem_category_name(MemCategory c);
 

@@ -6,11 +6,8 @@
 
 namespace moe {
 
-// Also selects OpenBLAS's kernels on first use; call before any GEMM (the GEMM wrappers do).
 void set_num_threads(int n);
 int num_threads();
-// The OpenBLAS kernel set in use (e.g. "SkylakeX"), for reports.
-const char* blas_kernel_name();
 
 // Fixed chunk length for cross-row reductions (independent of thread count by design).
 constexpr int64_t kReduceChunk = 64;

@@ -1,104 +1,431 @@
 #include "kernels/gemm.h"
 
-#include <cblas.h>
+// The engine's own fp32 matmuls (Highway, runtime dispatch). Design in one place:
+//
+// * Arithmetic, the same on every target. Each output element is one scalar chain of fused
+//   multiply-adds over k in increasing order:
+//       c = accumulate ? C[i,j] : +0;   for k in 0..K-1:  c = fma(A(i,k), B(k,j), c);   C[i,j] = c
+//   Its bits therefore depend on row i of A, column j of B and the start value only: not on M
+//   or N, the blocking, the thread count, the rank layout, or the vector width. The vector
+//   kernels compute every lane as such a chain (a lane never mixes with another); K blocks hand
+//   the running value on through C itself, which holds it exactly (fp32). Targets without a
+//   hardware FMA (SSE4 and older, the forced scalar target) run the same chain with std::fma:
+//   slow, but the same bits. Accumulating calls continue a chain: two calls over K1 then K2 rows
+//   of a weight gradient give the bits of one call over K1 + K2.
+//
+// * Kernel (outer product, as GotoBLAS/BLIS): a register tile of kMr rows × kNv vectors of C;
+//   per k, kNv vector loads of packed B and kMr broadcasts of A feed kMr·kNv FMAs. AVX-512:
+//   12 × 32 (24 accumulators), AVX2: 6 × 16 (12 accumulators).
+//
+// * Packing. B (K × N) is copied in blocks of kKc × kNc into panels of kNr columns, k-major, so
+//   the kernel's loads are contiguous: a plain copy for nn/tn (B rows are k), a transposition in
+//   registers for nt (B rows are j). A is copied per kMr-row micro-panel: rows kept as rows
+//   (stride kKc) for nt/nn, k-major for tn; the copy keeps the kernel's A stream in a few L1
+//   sets no matter how A's rows are strided. The micro-panel (≤ 12 KiB) stays in L1 while the
+//   B block (≤ 512 KiB) streams from L2.
+//
+// * Threads. The C matrix is cut into tasks (column blocks first, then row blocks) by shape and
+//   thread count; each task packs what it touches into per-thread scratch. Any cut gives the
+//   same bits, so the cut is chosen for speed only.
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "core/parallel.h"
+#include "core/simd.h"
+#include "kernels/kernel_scratch.h"
 
-namespace moe {
-
-namespace {
-
-// OpenBLAS's own threading changes per-element rounding with the thread count (measured: a
-// 257x300x129 sgemm differs between 1 and 2 threads). We therefore split C into tiles whose
-// bounds depend only on the shape and run single-threaded OpenBLAS on each tile in our own
-// OpenMP loop. Large extents get wide tiles (packing amortised), small ones narrow tiles so
-// that they still spread over the threads.
-int64_t tile_for(int64_t extent) { return extent >= 1024 ? 256 : 64; }
+#ifndef MOE_KERNELS_GEMM_SHARED
+#define MOE_KERNELS_GEMM_SHARED
+namespace moe::gemm_detail {
 
 enum class Layout { NT, NN, TN };
 
-void sgemm_tile(Layout layout, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  const auto ta = layout == Layout::TN ? CblasTrans : CblasNoTrans;
-  const auto tb = layout == Layout::NT ? CblasTrans : CblasNoTrans;
-  cblas_sgemm(CblasRowMajor, ta, tb, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
-              alpha, A, static_cast<int>(lda), B, static_cast<int>(ldb), beta, C,
-              static_cast<int>(ldc));
+// C[M,N] (+)= op(A)[M,K] · op(B)[K,N]; A(i,k) and B(k,j) read through the layout.
+struct Problem {
+  Layout layout;
+  int64_t M, N, K;
+  const float* A;
+  int64_t lda;
+  const float* B;
+  int64_t ldb;
+  float* C;
+  int64_t ldc;
+  bool accumulate;
+
+  float a(int64_t i, int64_t k) const { return layout == Layout::TN ? A[k * lda + i] : A[i * lda + k]; }
+  float b(int64_t k, int64_t j) const { return layout == Layout::NT ? B[j * ldb + k] : B[k * ldb + j]; }
+};
+
+// A rectangle of C: rows [i0, i1), columns [j0, j1).
+struct Block {
+  int64_t i0, i1, j0, j1;
+};
+
+// The contract spelled out, for targets without a hardware FMA.
+inline void exact_scalar(const Problem& p, const Block& blk) {
+  for (int64_t i = blk.i0; i < blk.i1; ++i)
+    for (int64_t j = blk.j0; j < blk.j1; ++j) {
+      float c = p.accumulate ? p.C[i * p.ldc + j] : 0.0f;
+      for (int64_t k = 0; k < p.K; ++k) c = std::fma(p.a(i, k), p.b(k, j), c);
+      p.C[i * p.ldc + j] = c;
+    }
 }
 
-// False when there is nothing to multiply; an empty contraction (an expert with no tokens)
-// leaves C, or clears it.
-bool nonempty(int64_t M, int64_t N, int64_t K, float* C, int64_t ldc, bool accumulate) {
-  if (M == 0 || N == 0) return false;
-  if (K > 0) return true;
-  if (!accumulate)
-    for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * N);
-  return false;
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+}  // namespace moe::gemm_detail
+#endif  // MOE_KERNELS_GEMM_SHARED
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/gemm.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace moe {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using namespace moe::gemm_detail;
+
+#if HWY_NATIVE_FMA && HWY_TARGET != HWY_SCALAR && HWY_TARGET != HWY_EMU128
+
+using D = hn::ScalableTag<float>;
+using V = hn::Vec<D>;
+constexpr int64_t kN = static_cast<int64_t>(hn::MaxLanes(D()));
+static_assert(kN == 8 || kN == 16, "gemm kernels are tuned for 256- and 512-bit vectors");
+// Register tile: kMr rows × kNv vectors; accumulators + kNv B vectors + 1 broadcast fit the
+// register file (32 registers on AVX-512, 16 on AVX2).
+constexpr int kMr = kN == 16 ? 12 : 6;
+constexpr int kNv = 2;
+constexpr int64_t kNr = kNv * kN;
+// Contraction block; B block width (a kKc × kNc block of packed B, 512 KiB / 256 KiB, is reused
+// from L2 by every row panel of a kMc-row block, whose C block stays in L2 over all of K); packed
+// B of one column block is at most kMaxPackedB floats (4 MiB, in L3), narrower for a long K.
+constexpr int64_t kKc = 256;
+constexpr int64_t kNc = kN == 16 ? 1024 : 512;
+constexpr int64_t kMc = 8 * kMr;
+constexpr int64_t kMaxPackedB = int64_t{1} << 20;
+
+// ------------------------------------------------------------------------------ packing
+
+// Transposes kN vectors (rows) of kN lanes in registers: afterwards r[c] holds former lane c.
+// Each stage takes even and odd lanes of row pairs, which rotates the (row, lane) index bits by
+// one; log2(kN) stages swap row and lane bits.
+HWY_INLINE void transpose_square(V* r) {
+  const D d;
+  constexpr int kStages = kN == 16 ? 4 : 3;
+  constexpr int kHalf = static_cast<int>(kN / 2);
+#pragma GCC unroll 4
+  for (int stage = 0; stage < kStages; ++stage) {
+    V t[kN];
+#pragma GCC unroll 8
+    for (int q = 0; q < kHalf; ++q) {
+      t[q] = hn::ConcatEven(d, r[2 * q + 1], r[2 * q]);
+      t[q + kHalf] = hn::ConcatOdd(d, r[2 * q + 1], r[2 * q]);
+    }
+#pragma GCC unroll 16
+    for (int q = 0; q < kN; ++q) r[q] = t[q];
+  }
 }
 
-void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-          const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
-  // Pins OpenBLAS to one thread even for callers that never chose a thread count.
-  static const bool kThreadPolicy = (set_num_threads(num_threads()), true);
-  (void)kThreadPolicy;
-  if (!nonempty(M, N, K, C, ldc, accumulate)) return;
-  const float beta = accumulate ? 1.0f : 0.0f;
-  const bool split_rows = M >= N;
-  const int64_t extent = split_rows ? M : N;
-  const int64_t tile = tile_for(extent);
-  const int64_t tiles = (extent + tile - 1) / tile;
-  auto run_tile = [&](int64_t t) {
-    const int64_t lo = t * tile, len = std::min(tile, extent - lo);
-    if (split_rows) {
-      const float* a = layout == Layout::TN ? A + lo : A + lo * lda;
-      sgemm_tile(layout, len, N, K, alpha, a, lda, B, ldb, beta, C + lo * ldc, ldc);
-    } else {
-      const float* b = layout == Layout::NT ? B + lo * ldb : B + lo;
-      sgemm_tile(layout, M, len, K, alpha, A, lda, b, ldb, beta, C + lo, ldc);
+// Packs B(k, j) for k in [pc, pc + kc), j in [jc, jc + nc) into panels of kNr columns:
+// out[(panel·kc + k)·kNr + column in panel]; columns past nc are zero. Only panels
+// [jp0, jp1) are written, so several threads can pack one block.
+void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, int64_t jp0,
+            int64_t jp1, float* out) {
+  const D d;
+  if (p.layout != Layout::NT) {
+    // B rows are k: copy kNr floats of each row (fewer at the right edge, zero-filled).
+    for (int64_t jp = jp0; jp < jp1; ++jp) {
+      const int64_t j0 = jc + jp * kNr, w = std::min(kNr, jc + nc - j0);
+      float* dst = out + jp * kc * kNr;
+      const float* src = p.B + pc * p.ldb + j0;
+      for (int64_t k = 0; k < kc; ++k, src += p.ldb, dst += kNr) {
+        if (w == kNr) {
+          for (int64_t v = 0; v < kNv; ++v) hn::Store(hn::LoadU(d, src + v * kN), d, dst + v * kN);
+        } else {
+          for (int64_t v = 0; v < kNv; ++v) {
+            const int64_t n = std::clamp<int64_t>(w - v * kN, 0, kN);
+            const V x = n == 0 ? hn::Zero(d) : hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(n)), d, src + v * kN);
+            hn::Store(x, d, dst + v * kN);
+          }
+        }
+      }
+    }
+    return;
+  }
+  // nt: B(k, j) = B[j·ldb + k]. Squares of kN columns × kN k's are transposed in registers;
+  // columns past nc read as zero rows, k's past kc are masked off (never read).
+  for (int64_t jp = jp0; jp < jp1; ++jp) {
+    float* panel = out + jp * kc * kNr;
+    for (int64_t v = 0; v < kNv; ++v) {
+      const int64_t j0 = jc + jp * kNr + v * kN;
+      const int64_t rows = std::clamp<int64_t>(jc + nc - j0, 0, kN);
+      for (int64_t k0 = 0; k0 < kc; k0 += kN) {
+        const int64_t kn = std::min(kN, kc - k0);
+        V r[kN];
+#pragma GCC unroll 16
+        for (int q = 0; q < kN; ++q) {
+          const float* src = p.B + (j0 + q) * p.ldb + pc + k0;
+          if (q >= rows) r[q] = hn::Zero(d);
+          else if (kn == kN) r[q] = hn::LoadU(d, src);
+          else r[q] = hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(kn)), d, src);
+        }
+        transpose_square(r);
+        for (int64_t q = 0; q < kn; ++q) hn::Store(r[q], d, panel + (k0 + q) * kNr + v * kN);
+      }
+    }
+  }
+}
+
+// A micro-panel (rows [i0, i0 + MR), k in [pc, pc + kc)) is packed so that both ways A is stored
+// become a copy, never a transposition:
+//  * tn (A's rows are k): k-major, out[k·MR + i];
+//  * nt, nn (A's rows are i): chunks of kChunk k's per row, rows side by side per chunk,
+//    out[(k / kChunk)·MR·kChunk + i·kChunk + k % kChunk].
+// Either way the kernel's broadcasts walk one contiguous stream.
+constexpr int64_t kChunk = 16;
+
+template <int MR>
+void pack_a(const Problem& p, int64_t i0, int64_t pc, int64_t kc, float* out) {
+  const D d;
+  if (p.layout == Layout::TN) {
+    const float* src = p.A + pc * p.lda + i0;
+    for (int64_t k = 0; k < kc; ++k, src += p.lda) std::memcpy(out + k * MR, src, sizeof(float) * MR);
+    return;
+  }
+  for (int i = 0; i < MR; ++i) {
+    const float* src = p.A + (i0 + i) * p.lda + pc;
+    float* dst = out + i * kChunk;
+    int64_t k = 0;
+    for (; k + kChunk <= kc; k += kChunk, dst += MR * kChunk)
+      for (int64_t v = 0; v < kChunk; v += kN) hn::Store(hn::LoadU(d, src + k + v), d, dst + v);
+    for (int64_t v = 0; k + v < kc; v += kN) {
+      const auto m = hn::FirstN(d, static_cast<size_t>(kc - k - v));
+      hn::Store(hn::MaskedLoad(m, d, src + k + v), d, dst + v);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ micro-kernel
+
+// C[0..MR, 0..cols) (+)= Ap · Bp over kc, for one packed A micro-panel and one B panel.
+// `load_c`: continue the chains stored in C (a later K block, or accumulate); else start at +0.
+template <int MR, bool kKMajorA>
+HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RESTRICT bp,
+                               int64_t kc, float* c, int64_t ldc, bool load_c, int64_t cols) {
+  const D d;
+  // Loops over the tile are fully unrolled (constant trip counts), so the accumulators live in
+  // registers.
+  V acc[MR][kNv];
+  if (cols == kNr) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < kNv; ++v)
+        acc[i][v] = load_c ? hn::LoadU(d, c + i * ldc + v * kN) : hn::Zero(d);
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kNv; ++v) {
+        const int64_t n = std::clamp<int64_t>(cols - v * kN, 0, kN);
+        acc[i][v] = load_c && n > 0
+                        ? hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(n)), d, c + i * ldc + v * kN)
+                        : hn::Zero(d);
+      }
+  }
+  // One step of the chains: k-th B row against the broadcasts of a(i) = a_col[i·stride].
+  auto step = [&](const float* HWY_RESTRICT b_row, const float* HWY_RESTRICT a_col, int64_t stride) {
+    V b[kNv];
+#pragma GCC unroll 4
+    for (int v = 0; v < kNv; ++v) b[v] = hn::Load(d, b_row + v * kN);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const V a = hn::Set(d, a_col[i * stride]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kNv; ++v) acc[i][v] = hn::MulAdd(a, b[v], acc[i][v]);
     }
   };
-  // Even a single tile runs inside a parallel region: outside one, the OpenMP build of OpenBLAS
-  // would thread by itself and round differently per thread count.
-  parallel_for_dynamic(0, tiles, run_tile);
+  if constexpr (kKMajorA) {
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kc; ++k) step(bp + k * kNr, ap + k * MR, 1);
+  } else {
+    for (int64_t k0 = 0; k0 < kc; k0 += kChunk) {
+      const float* a_chunk = ap + k0 * MR;
+      const int64_t n = std::min(kChunk, kc - k0);
+#pragma GCC unroll 4
+      for (int64_t k = 0; k < n; ++k) step(bp + (k0 + k) * kNr, a_chunk + k, kChunk);
+    }
+  }
+  if (cols == kNr) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < kNv; ++v) hn::StoreU(acc[i][v], d, c + i * ldc + v * kN);
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kNv; ++v) {
+        const int64_t n = std::clamp<int64_t>(cols - v * kN, 0, kN);
+        if (n > 0) hn::BlendedStore(acc[i][v], hn::FirstN(d, static_cast<size_t>(n)), d, c + i * ldc + v * kN);
+      }
+  }
 }
 
-void gemm_serial(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                 const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
-  if (nonempty(M, N, K, C, ldc, accumulate))
-    sgemm_tile(layout, M, N, K, alpha, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C, ldc);
+template <int... I>
+constexpr auto pack_a_table(std::integer_sequence<int, I...>) {
+  return std::array<void (*)(const Problem&, int64_t, int64_t, int64_t, float*), sizeof...(I)>{
+      &pack_a<I + 1>...};
+}
+using MicroKernelFn = void (*)(const float*, const float*, int64_t, float*, int64_t, bool, int64_t);
+template <bool kKMajorA, int... I>
+constexpr auto micro_kernel_table(std::integer_sequence<int, I...>) {
+  return std::array<MicroKernelFn, sizeof...(I)>{&micro_kernel<I + 1, kKMajorA>...};
+}
+constexpr auto kPackA = pack_a_table(std::make_integer_sequence<int, kMr>{});
+constexpr auto kMicroKernelKMajor = micro_kernel_table<true>(std::make_integer_sequence<int, kMr>{});
+constexpr auto kMicroKernelChunked = micro_kernel_table<false>(std::make_integer_sequence<int, kMr>{});
+
+// Floats per packed A micro-panel.
+constexpr int64_t kAPanel = kMr * kKc;
+
+// B of one column block [jc, jc + nc), packed for all of K: K block b at bbuf + b·block_floats.
+struct PackedB {
+  const float* bbuf;
+  int64_t jc, nc, block_floats;
+};
+
+// C rows [i0, i1) × columns [j0, j1) (j0 - jc a multiple of kNr) over all of K: per K block, the
+// row block's A micro-panels are packed, then each meets every B panel of the columns. The C
+// block (≤ kMc rows) stays in L2 from one K block to the next.
+void compute_block(const Problem& p, const PackedB& b, int64_t i0, int64_t i1, int64_t j0,
+                   int64_t j1, float* abuf) {
+  for (int64_t pc = 0; pc < p.K; pc += kKc) {
+    const int64_t kc = std::min(kKc, p.K - pc);
+    const bool load_c = p.accumulate || pc > 0;
+    const float* bblock = b.bbuf + (pc / kKc) * b.block_floats + (j0 - b.jc) / kNr * kc * kNr;
+    for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q)
+      kPackA[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)](p, i, pc, kc, abuf + q * kAPanel);
+    for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
+      const auto& kernels = p.layout == Layout::TN ? kMicroKernelKMajor : kMicroKernelChunked;
+      const auto kernel = kernels[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)];
+      for (int64_t j = j0; j < j1; j += kNr)
+        kernel(abuf + q * kAPanel, bblock + (j - j0) / kNr * kc * kNr, kc, p.C + i * p.ldc + j, p.ldc,
+               load_c, std::min(kNr, j1 - j));
+    }
+  }
+}
+
+// Column blocks of B are packed once for all of K (by all threads together) and shared; the C
+// rows × columns of the block are then cut into tasks (row blocks of kMc, and column parts when
+// rows alone give too few) that threads take dynamically. Any cut gives the same bits, so it is
+// chosen for speed: enough tasks to balance, few enough to keep A panels reused.
+void run(const Problem& p, int threads) {
+  const int64_t k_blocks = ceil_div(p.K, kKc);
+  const int64_t nc_max = std::clamp(kMaxPackedB / (k_blocks * kKc) / kNr * kNr, kNr, kNc);
+  const int64_t block_floats = kKc * std::min(nc_max, round_up(p.N, kNr));
+  float* bbuf = kernel_scratch(0, k_blocks * block_floats);
+  const int64_t row_blocks = ceil_div(p.M, kMc);
+  for (int64_t jc = 0; jc < p.N; jc += nc_max) {
+    const PackedB b{bbuf, jc, std::min(nc_max, p.N - jc), block_floats};
+    const int64_t panels = ceil_div(b.nc, kNr);
+    constexpr int64_t kPackGroup = 4;  // panels per packing item
+    const int64_t groups = ceil_div(panels, kPackGroup);
+    auto pack = [&](int64_t item) {
+      const int64_t kb = item / groups, g = item % groups;
+      pack_b(p, kb * kKc, std::min(kKc, p.K - kb * kKc), b.jc, b.nc, g * kPackGroup,
+             std::min(panels, (g + 1) * kPackGroup), bbuf + kb * block_floats);
+    };
+    int64_t col_parts = 1;
+    while (threads > 1 && row_blocks * col_parts < 4 * threads && col_parts < panels) ++col_parts;
+    const int64_t part = ceil_div(panels, col_parts) * kNr;
+    col_parts = ceil_div(b.nc, part);
+    auto task = [&](int64_t t) {
+      const int64_t r = t / col_parts, c = t % col_parts;
+      compute_block(p, b, r * kMc, std::min(p.M, (r + 1) * kMc), b.jc + c * part,
+                    std::min(b.jc + b.nc, b.jc + (c + 1) * part), kernel_scratch(1, ceil_div(kMc, kMr) * kAPanel));
+    };
+    if (threads > 1) {
+      parallel_for(0, k_blocks * groups, pack);
+      parallel_for_dynamic(0, row_blocks * col_parts, task);
+    } else {
+      for (int64_t item = 0; item < k_blocks * groups; ++item) pack(item);
+      for (int64_t t = 0; t < row_blocks * col_parts; ++t) task(t);
+    }
+  }
+}
+
+#else  // no hardware FMA: the contract spelled out
+
+void run(const Problem& p, int threads) {
+  if (threads <= 1) return exact_scalar(p, {0, p.M, 0, p.N});
+  parallel_for_dynamic(0, p.M, [&](int64_t i) { exact_scalar(p, {i, i + 1, 0, p.N}); });
+}
+
+#endif
+
+void Gemm(const Problem& p, int threads) { run(p, threads); }
+
+}  // namespace HWY_NAMESPACE
+}  // namespace moe
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace moe {
+
+HWY_EXPORT(Gemm);
+
+namespace {
+
+using gemm_detail::Layout;
+using gemm_detail::Problem;
+
+void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate, bool parallel) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    // An empty contraction (an expert with no tokens) leaves C, or clears it.
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * static_cast<size_t>(N));
+    return;
+  }
+  simd::current();  // applies MOE_SIMD before the first dispatch
+  const Problem p{layout, M, N, K, A, lda, B, ldb, C, ldc, accumulate};
+  // Work below ~64k multiply-adds is not worth waking other threads for.
+  const bool wide = parallel && M * N * K >= (int64_t{1} << 16);
+  HWY_DYNAMIC_DISPATCH(Gemm)(p, wide ? num_threads() : 1);
 }
 
 }  // namespace
 
+void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  gemm(Layout::NT, M, N, K, A, lda, B, ldb, C, ldc, accumulate, true);
+}
+void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  gemm(Layout::NN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, true);
+}
+void gemm_tn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  gemm(Layout::TN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, true);
+}
 void gemm_nt_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
-  gemm_serial(Layout::NT, M, N, K, A, lda, B, ldb, C, ldc, accumulate, alpha);
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  gemm(Layout::NT, M, N, K, A, lda, B, ldb, C, ldc, accumulate, false);
 }
 void gemm_nn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
-  gemm_serial(Layout::NN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, alpha);
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  gemm(Layout::NN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, false);
 }
 void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
-  gemm_serial(Layout::TN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, alpha);
-}
-
-void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
-  gemm(Layout::NT, M, N, K, A, lda, B, ldb, C, ldc, accumulate, alpha);
-}
-
-void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
-  gemm(Layout::NN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, alpha);
-}
-
-void gemm_tn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha) {
-  gemm(Layout::TN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, alpha);
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  gemm(Layout::TN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, false);
 }
 
 }  // namespace moe
+#endif  // HWY_ONCE

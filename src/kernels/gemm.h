@@ -1,31 +1,34 @@
 #pragma once
-// Row-major fp32 GEMM through OpenBLAS. Naming follows the operand layouts of a linear layer
-// with W [out, in]: forward y = x·Wᵀ (nt), input gradient dx = dy·W (nn), weight gradient
-// dW += dyᵀ·x (tn). `accumulate` adds into C instead of overwriting it.
+// Row-major fp32 matmuls (the engine's own Highway kernels, kernels/gemm.cpp). Naming follows the
+// operand layouts of a linear layer with W [out, in]: forward y = x·Wᵀ (nt), input gradient
+// dx = dy·W (nn), weight gradient dW += dyᵀ·x (tn).
+//
+// Every output element is one fused multiply-add chain over k in order, starting from +0, or
+// from C's value when `accumulate` (which thus continues a chain: accumulating over K1 and then
+// K2 gives the bits of one call over K1 + K2). The bits of C[i,j] depend only on A's row i, B's
+// column j and the start value: the same for any M, N, thread count and SIMD target.
 #include <cstdint>
 
 namespace moe {
 
 // C[M,N] (+)= A[M,K] · B[N,K]ᵀ
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
+             int64_t ldb, float* C, int64_t ldc, bool accumulate);
 // C[M,N] (+)= A[M,K] · B[K,N]
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
+             int64_t ldb, float* C, int64_t ldc, bool accumulate);
 // C[M,N] (+)= A[K,M]ᵀ · B[K,N]
 void gemm_tn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
+             int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
-// One OpenBLAS call on the calling thread, for work items that already run inside a
-// parallel_for body (attention heads, expert segments): no re-tiling, so one item packs its
-// operands once. Outside a parallel region use the tiled forms above, whose bits never depend
-// on the thread count. Same contract for M, N or K = 0.
+// The same on the calling thread only, for work items that already run inside a parallel_for
+// body (attention heads, expert segments). Same bits as the forms above; M, N or K = 0 as there.
 void gemm_nt_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate);
 void gemm_nn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate);
 void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                    int64_t ldb, float* C, int64_t ldc, bool accumulate, float alpha = 1.0f);
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
 // Dense-layer conveniences over contiguous buffers: x [T,in], W [out,in], y [T,out].
 inline void linear_forward(const float* x, const float* W, float* y, int64_t T, int64_t in,

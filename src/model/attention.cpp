@@ -117,9 +117,10 @@ Tensor MLAttention::query_backward(const Tensor& dq, const Tensor& x) {
 namespace {
 
 // Scores of query rows [r0, r0 + M) of one (b, h) against keys [0, N), into sc (ld S):
-// scale · (q_nope·k_nopeᵀ + q_pe·k_peᵀ) as two accumulating GEMMs straight from the projection
-// buffers (no concatenation). Forward and backward call this with the same shapes, so the
-// backward's recomputed scores are bitwise the forward's.
+// scale · (q_nope·k_nopeᵀ + q_pe·k_peᵀ): the second GEMM continues the first's chains, so each
+// score is one dot product over the whole head (no concatenation), then scaled. Forward and
+// backward call this with the same shapes, so the backward's recomputed scores are bitwise the
+// forward's.
 struct ScoreArgs {
   const float* qrows;  // first query row of the block, head h
   const float* k_nope;
@@ -129,10 +130,9 @@ struct ScoreArgs {
 };
 
 void block_scores(const ScoreArgs& a, int64_t M, int64_t N, float* sc) {
-  gemm_nt_serial(M, N, a.dn, a.qrows, a.ldq, a.k_nope, a.ldkv, sc, a.S, /*accumulate=*/false,
-                 a.scale);
-  gemm_nt_serial(M, N, a.dr, a.qrows + a.dn, a.ldq, a.k_rot, a.dr, sc, a.S, /*accumulate=*/true,
-                 a.scale);
+  gemm_nt_serial(M, N, a.dn, a.qrows, a.ldq, a.k_nope, a.ldkv, sc, a.S, /*accumulate=*/false);
+  gemm_nt_serial(M, N, a.dr, a.qrows + a.dn, a.ldq, a.k_rot, a.dr, sc, a.S, /*accumulate=*/true);
+  for (int64_t i = 0; i < M; ++i) scale_row(sc + i * a.S, N, a.scale);
 }
 
 }  // namespace

@@ -92,6 +92,9 @@ RunHistory read_run_history(const std::filesystem::path& file) {
                         h.steps.back().step));
     h.steps.push_back(s);
     if (rec.contains("unigram_entropy")) h.unigram_entropy = number_or_nan(rec, "unigram_entropy");
+    if (rec.contains("fma_peak_gflops")) h.fma_peak_gflops = number_or_nan(rec, "fma_peak_gflops");
+    if (rec.contains("simd") && rec["simd"].is_string()) h.simd = rec["simd"].get<std::string>();
+    if (rec.contains("cpu") && rec["cpu"].is_string()) h.cpu = rec["cpu"].get<std::string>();
     if (rec.contains("memory") && rec["memory"].contains("peak") && rec["memory"]["peak"].is_object())
       for (const auto& [cat, bytes] : rec["memory"]["peak"].items())
         if (bytes.is_number_integer())

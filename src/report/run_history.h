@@ -35,6 +35,9 @@ struct RunHistory {
   std::map<std::string, int64_t> peak_memory;  // tracked bytes by category, max over the run
   std::vector<LayerLoad> expert_load;  // MoE layers in model order; empty for a dense model
   int64_t load_window = 0;             // steps in LayerLoad::window_counts
+  // What MFU is against, from the last record that says (records before the FMA peak have none).
+  double fma_peak_gflops = 0;
+  std::string simd, cpu;
 };
 
 // Raises moe::Error naming the file (and line and field) when it is missing, empty, or holds

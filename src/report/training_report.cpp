@@ -72,8 +72,11 @@ std::string summary_markdown(const RunHistory& h) {
                     duration(train_s + val_s), duration(train_s), duration(val_s));
   md += fmt::format("| throughput | {:.0f} tokens/s (training steps) |\n",
                     train_s > 0 ? step_tokens / train_s : 0.0);
-  md += fmt::format("| MFU | {} |\n", mfu_s > 0 ? fmt::format("{:.1f}% of the measured fp32 GEMM peak",
-                                                               100.0 * mfu_weighted / mfu_s)
+  std::string peak = "the measured fp32 GEMM peak";  // what records before the FMA peak used
+  if (std::isfinite(h.fma_peak_gflops) && h.fma_peak_gflops > 0)
+    peak = fmt::format("the {:.0f} GFLOP/s fp32 FMA peak ({}{})", h.fma_peak_gflops,
+                       h.simd.empty() ? "?" : h.simd, h.cpu.empty() ? "" : ", " + h.cpu);
+  md += fmt::format("| MFU | {} |\n", mfu_s > 0 ? fmt::format("{:.1f}% of {}", 100.0 * mfu_weighted / mfu_s, peak)
                                                  : std::string("n/a (not in the metrics)"));
 
   if (!h.peak_memory.empty()) {

@@ -14,7 +14,7 @@ struct StepStatus {
   double lr = 0;
   double grad_norm = 0;
   double tokens_per_s = 0;
-  double mfu = 0;  // fraction of the measured GEMM peak
+  double mfu = 0;  // fraction of the machine's fp32 FMA peak
   double eta_s = 0;
 };
 

@@ -17,12 +17,12 @@
 #include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
+#include "kernels/fma_peak.h"
 #include "model/model.h"
 #include "moe/mxfp4_expert_weights.h"
 #include "report/training_report.h"
 #include "train/adamw.h"
 #include "train/evaluation.h"
-#include "train/gemm_peak.h"
 #include "train/interrupt.h"
 #include "train/lr_schedule.h"
 #include "train/metrics_log.h"
@@ -278,15 +278,17 @@ class TrainingRun {
                       w / e == 1 ? "y" : "ies", cfg_.data.batch_size / w, cfg_.data.batch_size));
   }
 
-  // The MFU denominator, measured on this machine at this run's thread count; with several
-  // ranks all measure at once (so shared cores count once) and the peaks add up.
+  // The MFU denominator: the fp32 FMA peak of this machine's cores for the SIMD target in use,
+  // at this run's thread count (measured once per machine and cached). With several ranks each
+  // has its own cores' peak and the peaks add up.
   void measure_peak() {
-    peak_gflops_ = gemm_peak_gflops();
+    peak_ = fma_peak(num_threads());
+    peak_gflops_ = peak_.gflops;
     world().all_reduce_sum(&peak_gflops_, 1);
     const int w = world().size();
-    say(fmt::format("GEMM peak: {:.1f} GFLOP/s (OpenBLAS kernels: {}, {} thread{}{})",
-                    peak_gflops_, blas_kernel_name(), num_threads(), num_threads() == 1 ? "" : "s",
-                    w > 1 ? fmt::format(" per rank, {} ranks", w) : std::string()));
+    say(fmt::format("MFU is against the {}{}", describe(peak_),
+                    w > 1 ? fmt::format(" per rank; {:.0f} GFLOP/s for the {} ranks", peak_gflops_, w)
+                          : std::string()));
   }
 
   double mfu(double tokens_per_s) const {
@@ -445,6 +447,9 @@ class TrainingRun {
               {"tokens", st_.tokens_seen},
               {"tokens_per_s", tokens_per_s},
               {"mfu", mfu(tokens_per_s)},
+              {"fma_peak_gflops", peak_gflops_},
+              {"simd", peak_.target},
+              {"cpu", peak_.cpu},
               {"step_s", s.seconds},
               {"unigram_entropy", result_.unigram_entropy},
               {"skipped", !s.finite},
@@ -512,8 +517,9 @@ class TrainingRun {
                      cfg_.schedule.steps, steps_this_run_, result_.skipped));
     line(fmt::format("tokens seen      {} ({} per step)",
                      format_count(static_cast<double>(st_.tokens_seen)), step_tokens_));
-    line(fmt::format("time             {} ({} tok/s while training, MFU {:.1f}%)",
-                     format_duration(result_.seconds), format_count(tok_s), 100.0 * mfu(tok_s)));
+    line(fmt::format("time             {} ({} tok/s while training, MFU {:.1f}% of the {:.0f} "
+                     "GFLOP/s FMA peak)", format_duration(result_.seconds), format_count(tok_s),
+                     100.0 * mfu(tok_s), peak_gflops_));
     line(fmt::format("train loss       {} (mean of the last {} steps)",
                      describe_loss(result_.final_train_loss), n_recent_));
     line(fmt::format("validation loss  {}", describe_loss(result_.final_val_loss)));
@@ -564,6 +570,7 @@ class TrainingRun {
   const LrSchedule schedule_;
   const int64_t step_tokens_;
   const double flops_per_token_;
+  FmaPeak peak_;
   double peak_gflops_ = 0;
   TrainerState st_;
   TrainResult result_;

@@ -1,0 +1,221 @@
+// The fp32 matmuls against their contract (kernels/gemm.h): every output element is the FMA
+// chain over k in order, from +0 or from C. The reference below spells that chain out with
+// std::fma, so every comparison is bitwise, on every SIMD target this CPU runs.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/parallel.h"
+#include "core/simd.h"
+#include "kernels/gemm.h"
+#include "test_util.h"
+
+using namespace moe;
+using namespace moe::testing;
+
+namespace {
+
+enum class Op { NT, NN, TN };
+const char* op_name(Op op) { return op == Op::NT ? "nt" : op == Op::NN ? "nn" : "tn"; }
+
+// Operands of one product C[M,N] (+)= op(A)·op(B) with padded leading dimensions.
+struct Case {
+  Op op;
+  int64_t M, N, K;
+  int64_t lda, ldb, ldc;
+  std::vector<float> A, B, C0;
+
+  float a(int64_t i, int64_t k) const { return op == Op::TN ? A[k * lda + i] : A[i * lda + k]; }
+  float b(int64_t k, int64_t j) const { return op == Op::NT ? B[j * ldb + k] : B[k * ldb + j]; }
+};
+
+Case make_case(Op op, int64_t M, int64_t N, int64_t K, uint64_t seed, int64_t pad = 3) {
+  Case c{op, M, N, K, 0, 0, 0, {}, {}, {}};
+  const int64_t arows = op == Op::TN ? K : M, acols = op == Op::TN ? M : K;
+  const int64_t brows = op == Op::NT ? N : K, bcols = op == Op::NT ? K : N;
+  c.lda = acols + pad, c.ldb = bcols + pad, c.ldc = N + pad;
+  Rng rng(seed);
+  c.A.resize(static_cast<size_t>(std::max<int64_t>(1, arows * c.lda)));
+  c.B.resize(static_cast<size_t>(std::max<int64_t>(1, brows * c.ldb)));
+  c.C0.resize(static_cast<size_t>(std::max<int64_t>(1, M * c.ldc)));
+  for (float& v : c.A) v = rng.normal();
+  for (float& v : c.B) v = rng.normal();
+  for (float& v : c.C0) v = rng.normal();
+  return c;
+}
+
+// The contract, spelled out.
+std::vector<float> reference(const Case& c, bool accumulate) {
+  std::vector<float> C = c.C0;
+  for (int64_t i = 0; i < c.M; ++i)
+    for (int64_t j = 0; j < c.N; ++j) {
+      float s = accumulate ? C[i * c.ldc + j] : 0.0f;
+      for (int64_t k = 0; k < c.K; ++k) s = std::fma(c.a(i, k), c.b(k, j), s);
+      C[i * c.ldc + j] = s;
+    }
+  return C;
+}
+
+void call(Op op, bool serial, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  using Fn = void (*)(int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t,
+                      float*, int64_t, bool);
+  const Fn fns[2][3] = {{gemm_nt, gemm_nn, gemm_tn}, {gemm_nt_serial, gemm_nn_serial, gemm_tn_serial}};
+  fns[serial][static_cast<int>(op)](M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+
+std::vector<float> run(const Case& c, bool accumulate, bool serial = false) {
+  std::vector<float> C = c.C0;
+  call(c.op, serial, c.M, c.N, c.K, c.A.data(), c.lda, c.B.data(), c.ldb, C.data(), c.ldc, accumulate);
+  return C;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Index of the first differing element, for messages.
+size_t first_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) return i;
+  return a.size();
+}
+
+// Runs `body` once per SIMD target this CPU supports (the forced target restored after).
+template <typename F>
+void for_each_target(F&& body) {
+  const simd::Target before = simd::current();
+  for (simd::Target t : simd::supported()) {
+    simd::select(t);
+    SCOPED_TRACE(simd::name(t));
+    body(t);
+  }
+  simd::select(before);
+}
+
+// Shapes around every block edge of the kernels: register tiles (6/12 rows, 16/32 columns),
+// K blocks of 256, B blocks of 256/512 columns, one-element and empty-remainder cases.
+const std::vector<std::array<int64_t, 3>> kShapes = {
+    {1, 1, 1},    {1, 17, 5},    {7, 13, 5},    {12, 32, 256}, {13, 33, 257}, {6, 16, 300},
+    {25, 100, 64}, {37, 70, 513}, {3, 600, 40},  {100, 1, 77},  {64, 520, 33}, {2, 1030, 9}};
+
+}  // namespace
+
+TEST(Gemm, EveryLayoutIsTheFmaChainBitwiseOnEveryTarget) {
+  for_each_target([](simd::Target) {
+    uint64_t seed = 1;
+    for (Op op : {Op::NT, Op::NN, Op::TN})
+      for (const auto& [M, N, K] : kShapes)
+        for (bool accumulate : {false, true})
+          for (bool serial : {false, true}) {
+            const Case c = make_case(op, M, N, K, seed++);
+            const auto want = reference(c, accumulate);
+            const auto got = run(c, accumulate, serial);
+            ASSERT_TRUE(same_bits(got, want))
+                << op_name(op) << " M=" << M << " N=" << N << " K=" << K << " accumulate=" << accumulate
+                << " serial=" << serial << " first difference at " << first_difference(got, want);
+          }
+  });
+}
+
+TEST(Gemm, RowAloneEqualsRowInsideAThousandRowCall) {
+  // For every entry point: a row of C computed in a call of 1 row is the same row of a call of
+  // 1,000 rows (for tn, the rows are A's columns), bitwise, on every target.
+  for_each_target([](simd::Target) {
+    for (Op op : {Op::NT, Op::NN, Op::TN})
+      for (bool serial : {false, true}) {
+        const Case c = make_case(op, 1000, 150, 300, 7, 0);
+        const auto all = run(c, false, serial);
+        for (int64_t i : {0, 1, 11, 12, 13, 500, 997, 999}) {
+          std::vector<float> row(static_cast<size_t>(c.N), -1.0f);
+          const float* a = op == Op::TN ? c.A.data() + i : c.A.data() + i * c.lda;
+          call(op, serial, 1, c.N, c.K, a, c.lda, c.B.data(), c.ldb, row.data(), c.N, false);
+          ASSERT_EQ(std::memcmp(row.data(), all.data() + i * c.ldc, row.size() * sizeof(float)), 0)
+              << op_name(op) << " serial=" << serial << " row " << i;
+        }
+      }
+  });
+}
+
+TEST(Gemm, SameBitsForAnyThreadCount) {
+  const int before = num_threads();
+  for (Op op : {Op::NT, Op::NN, Op::TN}) {
+    const Case c = make_case(op, 257, 300, 129, 11);
+    set_num_threads(1);
+    const auto one = run(c, true);
+    for (int t : {2, 3, 7}) {
+      set_num_threads(t);
+      EXPECT_TRUE(same_bits(run(c, true), one)) << op_name(op) << " threads " << t;
+    }
+  }
+  set_num_threads(before);
+}
+
+TEST(Gemm, AccumulatingContinuesTheChain) {
+  // dW over K1 rows then K2 more rows equals one call over K1 + K2 (gradient accumulation over
+  // micro-batches is bitwise one big batch).
+  const Case c = make_case(Op::TN, 40, 50, 300, 13, 0);
+  const auto whole = run(c, false);
+  std::vector<float> C = c.C0;
+  gemm_tn(c.M, c.N, 100, c.A.data(), c.lda, c.B.data(), c.ldb, C.data(), c.ldc, false);
+  gemm_tn(c.M, c.N, 200, c.A.data() + 100 * c.lda, c.lda, c.B.data() + 100 * c.ldb, c.ldb, C.data(), c.ldc, true);
+  EXPECT_TRUE(same_bits(C, whole));
+}
+
+TEST(Gemm, MatchesDoubleReference) {
+  // Not only self-consistent: close to the exact product.
+  const Case c = make_case(Op::NN, 33, 47, 700, 17, 0);
+  const auto got = run(c, false);
+  std::vector<double> want(got.size());
+  for (int64_t i = 0; i < c.M; ++i)
+    for (int64_t j = 0; j < c.N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < c.K; ++k) s += static_cast<double>(c.a(i, k)) * c.b(k, j);
+      want[static_cast<size_t>(i * c.ldc + j)] = s;
+    }
+  EXPECT_LT(rel_error(got.data(), want.data(), static_cast<int64_t>(got.size())), 1e-6);
+}
+
+TEST(Gemm, NonFiniteValuesPropagateAsInTheChain) {
+  for_each_target([](simd::Target) {
+    Case c = make_case(Op::NT, 20, 40, 50, 19, 1);
+    c.A[3 * c.lda + 7] = std::numeric_limits<float>::infinity();
+    c.B[5 * c.ldb + 7] = 0.0f;  // inf·0 = NaN in one element
+    c.B[9 * c.ldb + 2] = std::numeric_limits<float>::quiet_NaN();
+    c.A[11 * c.lda + 4] = 1e-40f;  // subnormal
+    const auto want = reference(c, false);
+    EXPECT_TRUE(same_bits(run(c, false), want));
+  });
+}
+
+TEST(Gemm, EmptyContractionClearsOrKeeps) {
+  std::vector<float> C(6, 3.0f);
+  gemm_nt(2, 3, 0, nullptr, 0, nullptr, 0, C.data(), 3, /*accumulate=*/true);
+  EXPECT_EQ(C[5], 3.0f);
+  gemm_nt(2, 3, 0, nullptr, 0, nullptr, 0, C.data(), 3, /*accumulate=*/false);
+  EXPECT_EQ(C[5], 0.0f);
+  gemm_tn(0, 3, 4, nullptr, 0, nullptr, 0, C.data(), 3, false);  // M = 0: nothing written
+}
+
+TEST(Simd, ForcedTargetsAndErrors) {
+  EXPECT_EQ(simd::parse("avx2", "x"), simd::Target::Avx2);
+  EXPECT_THROW(simd::parse("sse9", "--simd"), Error);
+  try {
+    simd::parse("sse9", "--simd");
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--simd"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("avx512, avx2 or scalar"), std::string::npos);
+  }
+  const auto all = simd::supported();
+  ASSERT_FALSE(all.empty());
+  EXPECT_EQ(all.back(), simd::Target::Scalar);
+  const simd::Target before = simd::current();
+  for (simd::Target t : all) {
+    simd::select(t);
+    EXPECT_EQ(simd::current(), t);
+  }
+  simd::select(before);
+}
