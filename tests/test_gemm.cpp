@@ -84,18 +84,6 @@ size_t first_difference(const std::vector<float>& a, const std::vector<float>& b
   return a.size();
 }
 
-// Runs `body` once per SIMD target this CPU supports (the forced target restored after).
-template <typename F>
-void for_each_target(F&& body) {
-  const simd::Target before = simd::current();
-  for (simd::Target t : simd::supported()) {
-    simd::select(t);
-    SCOPED_TRACE(simd::name(t));
-    body(t);
-  }
-  simd::select(before);
-}
-
 // Shapes around every block edge of the kernels: register tiles (6/12 rows, 16/32 columns),
 // K blocks of 256, B blocks of 256/512 columns, one-element and empty-remainder cases.
 const std::vector<std::array<int64_t, 3>> kShapes = {
@@ -105,7 +93,7 @@ const std::vector<std::array<int64_t, 3>> kShapes = {
 }  // namespace
 
 TEST(Gemm, EveryLayoutIsTheFmaChainBitwiseOnEveryTarget) {
-  for_each_target([](simd::Target) {
+  for_each_simd_target([](simd::Target) {
     uint64_t seed = 1;
     for (Op op : {Op::NT, Op::NN, Op::TN})
       for (const auto& [M, N, K] : kShapes)
@@ -124,7 +112,7 @@ TEST(Gemm, EveryLayoutIsTheFmaChainBitwiseOnEveryTarget) {
 TEST(Gemm, RowAloneEqualsRowInsideAThousandRowCall) {
   // For every entry point: a row of C computed in a call of 1 row is the same row of a call of
   // 1,000 rows (for tn, the rows are A's columns), bitwise, on every target.
-  for_each_target([](simd::Target) {
+  for_each_simd_target([](simd::Target) {
     for (Op op : {Op::NT, Op::NN, Op::TN})
       for (bool serial : {false, true}) {
         const Case c = make_case(op, 1000, 150, 300, 7, 0);
@@ -180,7 +168,7 @@ TEST(Gemm, MatchesDoubleReference) {
 }
 
 TEST(Gemm, NonFiniteValuesPropagateAsInTheChain) {
-  for_each_target([](simd::Target) {
+  for_each_simd_target([](simd::Target) {
     Case c = make_case(Op::NT, 20, 40, 50, 19, 1);
     c.A[3 * c.lda + 7] = std::numeric_limits<float>::infinity();
     c.B[5 * c.ldb + 7] = 0.0f;  // inf·0 = NaN in one element

@@ -1,8 +1,11 @@
 // Highway row kernels against double-precision references, at lengths that exercise full
 // vectors, masked tails and empty rows.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
+#include "core/simd.h"
 #include "kernels/vector_math.h"
 #include "test_util.h"
 
@@ -60,4 +63,62 @@ TEST(VectorMath, MaskedTailLeavesMemoryBeyondTheRowUntouched) {
   EXPECT_EQ(buf[16], 14.0f);
   EXPECT_EQ(buf[17], 7.0f);
   EXPECT_EQ(row_max(buf.data(), 0), -INFINITY);
+}
+
+TEST(VectorMath, ExpIsAccurateAndHandlesTheEdges) {
+  // exp_shift_sum(x, 1, 0) leaves exp(x) in x.
+  auto exp1 = [](float x) {
+    exp_shift_sum(&x, 1, 0.0f);
+    return x;
+  };
+  double worst_ulps = 0;
+  for (float x = -87.0f; x <= 88.7f; x += 0.0137f) {
+    const double want = std::exp(static_cast<double>(x));
+    const float got = exp1(x);
+    const double ulp = std::ldexp(1.0, std::ilogb(static_cast<float>(want)) - 23);
+    worst_ulps = std::max(worst_ulps, std::fabs(got - want) / ulp);
+  }
+  EXPECT_LT(worst_ulps, 2.0);
+  EXPECT_EQ(exp1(0.0f), 1.0f);
+  EXPECT_EQ(exp1(-200.0f), 0.0f);
+  EXPECT_EQ(exp1(-INFINITY), 0.0f);
+  EXPECT_EQ(exp1(89.0f), INFINITY);
+  EXPECT_EQ(exp1(INFINITY), INFINITY);
+  EXPECT_TRUE(std::isnan(exp1(NAN)));
+  // Subnormal results round once: e^-100 = 3.72e-44.
+  EXPECT_NEAR(exp1(-100.0f), 3.720076e-44f, 1.5e-45f);
+}
+
+TEST(VectorMath, NaNInARowReachesTheSum) {
+  // A non-finite step must be seen as such, not turned into a finite loss.
+  std::vector<float> row = {1.0f, NAN, 2.0f};
+  EXPECT_TRUE(std::isnan(exp_shift_sum(row.data(), 3, 0.0f)));
+}
+
+TEST(VectorMath, EveryKernelGivesTheSameBitsOnEveryTarget) {
+  // Each supported SIMD target runs every row kernel on the same rows; all outputs must equal
+  // the first target's bit for bit (16 virtual lanes for sums, lane-wise arithmetic otherwise).
+  Rng rng(5);
+  const int64_t n = 1000;
+  Tensor x = random_tensor({n}, rng, 6.0f), u = random_tensor({n}, rng), dh = random_tensor({n}, rng);
+  auto run = [&] {
+    std::vector<float> out;
+    for (int64_t len : {int64_t{1}, int64_t{7}, int64_t{16}, int64_t{33}, n}) {
+      std::vector<float> a(x.f32(), x.f32() + len), b(len), c(len), d(len), e(len);
+      out.push_back(row_max(a.data(), len));
+      out.push_back(static_cast<float>(softmax_inplace(a.data(), len)));
+      out.insert(out.end(), a.begin(), a.end());
+      std::vector<float> scratch(len);
+      out.push_back(static_cast<float>(log_sum_exp(x.f32(), scratch.data(), len)));
+      sigmoid_row(x.f32(), b.data(), len);
+      swiglu_row(x.f32(), u.f32(), c.data(), len);
+      swiglu_backward_row(x.f32(), u.f32(), dh.f32(), d.data(), e.data(), len);
+      for (auto* v : {&b, &c, &d, &e}) out.insert(out.end(), v->begin(), v->end());
+      std::vector<float> w(x.f32(), x.f32() + len), m(len, 0.1f), vv(len, 0.2f);
+      adamw_row(w.data(), u.f32(), m.data(), vv.data(), len, {0.5f, 0.999f, 0.9f, 0.95f, 1e-3f, 0.7f, 1e-8f});
+      for (auto* v : {&w, &m, &vv}) out.insert(out.end(), v->begin(), v->end());
+    }
+    return out;
+  };
+  expect_same_bits_on_every_target(run);
 }

@@ -6,11 +6,13 @@
 #include <fstream>
 
 #include "core/parallel.h"
+#include "core/simd.h"
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
 #include "io/model_spec.h"
 #include "io/safetensors.h"
 #include "model/model.h"
+#include "train/adamw.h"
 #include "test_util.h"
 
 using namespace moe;
@@ -49,6 +51,36 @@ TEST(Model, BitwiseIdenticalLossAndGradientsForOneAndTwoThreads) {
   const auto one = train_step_bits(1), two = train_step_bits(2);
   ASSERT_EQ(one.size(), two.size());
   EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)), 0);
+}
+
+TEST(Model, TrainingStepsAreBitwiseTheSameOnEverySimdTarget) {
+  // Loss, every gradient and the weights after two AdamW steps, on each target this CPU runs
+  // (AVX-512, AVX2, scalar): the matmuls are FMA chains, the row kernels lane-wise with fixed
+  // 16-lane sums, so nothing may differ.
+  auto run = [] {
+    DeepSeekModel model(debug_config());
+    model.init_weights(11);
+    model.allocate_grads();
+    AdamW opt(model.trainable_params(), AdamWConfig{});
+    const BatchShape shape{2, 19};
+    std::vector<float> bits;
+    for (int step = 0; step < 2; ++step) {
+      Tensor tokens = random_tokens(shape.tokens(), 256, 20 + step);
+      Tensor targets = random_tokens(shape.tokens(), 256, 30 + step);
+      LossOptions opts;
+      opts.z_loss = 1e-4;
+      LossResult r = model.forward(tokens, targets, shape, Pass::Train, opts);
+      model.backward();
+      bits.push_back(static_cast<float>(r.total()));
+      for (Param* p : model.trainable_params()) bits.insert(bits.end(), p->g(), p->g() + p->grad.numel());
+      model.update_router_biases(1e-3);
+      opt.step(1e-3, 1.0f);
+      model.zero_grads();
+    }
+    for (Param* p : model.trainable_params()) bits.insert(bits.end(), p->w(), p->w() + p->value.numel());
+    return bits;
+  };
+  expect_same_bits_on_every_target(run);
 }
 
 TEST(Model, EveryPassReleasesActivationsAndRouting) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -13,6 +14,7 @@
 #include "core/error.h"
 
 #include "core/rng.h"
+#include "core/simd.h"
 #include "core/tensor.h"
 
 namespace moe::testing {
@@ -115,6 +117,32 @@ inline std::string error_of(const std::function<void()>& f) {
     return e.what();
   }
   return "(no error)";
+}
+
+// Runs body(target) once per SIMD target this CPU supports (scalar included), then restores the
+// target that was in force.
+template <typename F>
+void for_each_simd_target(F&& body) {
+  const simd::Target before = simd::current();
+  for (simd::Target t : simd::supported()) {
+    simd::select(t);
+    SCOPED_TRACE(simd::name(t));
+    body(t);
+  }
+  simd::select(before);
+}
+
+// run() -> std::vector<float> must give the same floats, bit for bit, on every SIMD target.
+template <typename F>
+void expect_same_bits_on_every_target(F&& run) {
+  std::vector<float> first;
+  for_each_simd_target([&](simd::Target t) {
+    const std::vector<float> got = run();
+    if (first.empty()) first = got;
+    ASSERT_EQ(got.size(), first.size());
+    EXPECT_EQ(std::memcmp(got.data(), first.data(), got.size() * sizeof(float)), 0)
+        << simd::name(t) << " differs from " << simd::name(simd::supported().front());
+  });
 }
 
 }  // namespace moe::testing

@@ -31,3 +31,7 @@ Target current();
 std::string cpu_model();
 
 }  // namespace moe::simd
+
+// HWY_DYNAMIC_DISPATCH after applying the forced target (MOE_SIMD) on first use: every kernel
+// entry point dispatches through this.
+#define MOE_DISPATCH(fn) (::moe::simd::current(), HWY_DYNAMIC_DISPATCH(fn))

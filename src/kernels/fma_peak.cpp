@@ -89,7 +89,7 @@ double run_once(int threads, int64_t iters) {
     float s = 0;
 #pragma omp barrier
     const auto t0 = std::chrono::steady_clock::now();
-    flops += HWY_DYNAMIC_DISPATCH(FmaLoop)(iters, &s);
+    flops += MOE_DISPATCH(FmaLoop)(iters, &s);
     slowest = std::max(slowest, seconds_since(t0));
     if (s == 12345.0f) sink = s;  // never true; keeps the loop
   }

@@ -393,11 +393,10 @@ void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_
       for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * static_cast<size_t>(N));
     return;
   }
-  simd::current();  // applies MOE_SIMD before the first dispatch
   const Problem p{layout, M, N, K, A, lda, B, ldb, C, ldc, accumulate};
   // Work below ~64k multiply-adds is not worth waking other threads for.
   const bool wide = parallel && M * N * K >= (int64_t{1} << 16);
-  HWY_DYNAMIC_DISPATCH(Gemm)(p, wide ? num_threads() : 1);
+  MOE_DISPATCH(Gemm)(p, wide ? num_threads() : 1);
 }
 
 }  // namespace

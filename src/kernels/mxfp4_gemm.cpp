@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/simd.h"
 #include "kernels/mxfp4.h"
 
 #ifndef MOE_KERNELS_MXFP4_GEMM_SHARED
@@ -596,7 +597,7 @@ void mxfp4_gemm_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w,
       for (int64_t i = 0; i < m; ++i) std::memset(y + i * ldy, 0, sizeof(float) * w.rows);
     return;
   }
-  HWY_DYNAMIC_DISPATCH(GemmNT)(m, x, ldx, w, y, ldy, accumulate);
+  MOE_DISPATCH(GemmNT)(m, x, ldx, w, y, ldy, accumulate);
 }
 
 void mxfp4_gemm_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
@@ -609,7 +610,7 @@ void mxfp4_gemm_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& 
       for (int64_t i = 0; i < m; ++i) std::memset(dx + i * lddx, 0, sizeof(float) * w.cols);
     return;
   }
-  HWY_DYNAMIC_DISPATCH(GemmNN)(m, dy, lddy, w, dx, lddx, accumulate);
+  MOE_DISPATCH(GemmNN)(m, dy, lddy, w, dx, lddx, accumulate);
 }
 
 }  // namespace moe

@@ -1,12 +1,19 @@
 #include "kernels/vector_math.h"
 
+// Same bits on every SIMD target: every operation is lane-wise IEEE arithmetic (the exp below
+// uses only exactly specified operations, with fused multiply-adds that the scalar target runs
+// through std::fma), and sums over a row run in 16 virtual lanes — the AVX-512 vector, two AVX2
+// vectors, or 16 scalars — reduced by one fixed tree.
+
+#include <algorithm>
 #include <cmath>
+
+#include "core/simd.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/vector_math.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 
-#include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
 HWY_BEFORE_NAMESPACE();
@@ -39,10 +46,73 @@ HWY_INLINE void store(V v, float* p, hn::Mask<D> m, bool tail) {
     hn::StoreU(v, d, p);
 }
 
+// a·b + c rounded once, on every target.
+HWY_INLINE V fma(V a, V b, V c) {
+#if HWY_NATIVE_FMA
+  return hn::MulAdd(a, b, c);
+#else
+  static_assert(HWY_TARGET == HWY_SCALAR, "only FMA targets and the scalar one are dispatched");
+  const D d;
+  return hn::Set(d, std::fma(hn::GetLane(a), hn::GetLane(b), hn::GetLane(c)));
+#endif
+}
+
+// e^x with about 1 ulp error: x = n·ln2 + r (|r| ≤ ln2/2, n rounded to nearest even), e^r by a
+// degree-7 Taylor polynomial in Horner form, then 2^n applied as two exact power-of-two factors
+// so subnormal results round once. x ≥ 88.73 gives +inf, x ≤ -104 gives 0, NaN stays NaN.
+HWY_INLINE V exp(V x_in) {
+  const D d;
+  const hn::RebindToSigned<D> di;
+  const V x = hn::Min(hn::Max(x_in, hn::Set(d, -104.0f)), hn::Set(d, 89.0f));
+  const V n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
+  V r = fma(n, hn::Set(d, -0.693145751953125f), x);  // ln2 high part: n·hi is exact
+  r = fma(n, hn::Set(d, -1.42860682030941723212e-6f), r);
+  V p = hn::Set(d, 1.0f / 5040.0f);
+  p = fma(p, r, hn::Set(d, 1.0f / 720.0f));
+  p = fma(p, r, hn::Set(d, 1.0f / 120.0f));
+  p = fma(p, r, hn::Set(d, 1.0f / 24.0f));
+  p = fma(p, r, hn::Set(d, 1.0f / 6.0f));
+  p = fma(p, r, hn::Set(d, 0.5f));
+  p = fma(p, r, hn::Set(d, 1.0f));
+  p = fma(p, r, hn::Set(d, 1.0f));
+  const auto ni = hn::ConvertTo(di, n);
+  const auto n1 = hn::ShiftRight<1>(ni), n2 = hn::Sub(ni, n1);
+  const auto bias = hn::Set(di, 127);
+  const V s1 = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(n1, bias)));
+  const V s2 = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(n2, bias)));
+  // Min/Max would turn a NaN into a bound.
+  return hn::IfThenElse(hn::IsNaN(x_in), x_in, hn::Mul(hn::Mul(p, s1), s2));
+}
+
 HWY_INLINE V sigmoid(V x) {
   const D d;
   const V one = hn::Set(d, 1.0f);
-  return hn::Div(one, hn::Add(one, hn::Exp(d, hn::Neg(x))));
+  return hn::Div(one, hn::Add(one, exp(hn::Neg(x))));
+}
+
+// Sum of f(i, mask) over [0, n) in 16 virtual lanes: lane l adds the values at l, l + 16, ...
+// in order; the lanes are then added by the tree (l, l+8), (l, l+4), (l, l+2), (l, l+1).
+template <typename F>
+HWY_INLINE float sum16(int64_t n, F&& f) {
+  const D d;
+  constexpr int64_t kLanes = static_cast<int64_t>(hn::MaxLanes(D()));
+  static_assert(16 % kLanes == 0, "16 virtual lanes must be whole vectors");
+  constexpr int64_t kParts = 16 / kLanes;
+  V acc[kParts];
+  for (int64_t q = 0; q < kParts; ++q) acc[q] = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int64_t q = 0; q < kParts; ++q)
+      acc[q] = hn::Add(acc[q], f(i + q * kLanes, hn::FirstN(d, kLanes), false));
+  for (int64_t q = 0; q < kParts && i + q * kLanes < n; ++q) {
+    const auto m = hn::FirstN(d, static_cast<size_t>(std::min(kLanes, n - i - q * kLanes)));
+    acc[q] = hn::Add(acc[q], hn::IfThenElseZero(m, f(i + q * kLanes, m, true)));
+  }
+  alignas(64) float lanes[16];
+  for (int64_t q = 0; q < kParts; ++q) hn::Store(acc[q], d, lanes + q * kLanes);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  return lanes[0];
 }
 
 float RowMax(const float* x, int64_t n) {
@@ -57,13 +127,11 @@ float RowMax(const float* x, int64_t n) {
 double ExpShiftSum(float* x, int64_t n, float shift) {
   const D d;
   const V s = hn::Set(d, shift);
-  V acc = hn::Zero(d);
-  for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
-    const V e = hn::IfThenElseZero(k, hn::Exp(d, hn::Sub(load(x + i, k, tail), s)));
+  return static_cast<double>(sum16(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
+    const V e = exp(hn::Sub(load(x + i, k, tail), s));
     store(e, x + i, k, tail);
-    acc = hn::Add(acc, e);
-  });
-  return static_cast<double>(hn::GetLane(hn::SumOfLanes(d, acc)));
+    return e;
+  }));
 }
 
 void ScaleRow(float* x, int64_t n, float s) {
@@ -134,21 +202,21 @@ HWY_EXPORT(SwigluBackwardRow);
 HWY_EXPORT(AdamWRow);
 
 void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
-  HWY_DYNAMIC_DISPATCH(AdamWRow)(w, g, m, v, n, p);
+  MOE_DISPATCH(AdamWRow)(w, g, m, v, n, p);
 }
 
-float row_max(const float* x, int64_t n) { return HWY_DYNAMIC_DISPATCH(RowMax)(x, n); }
+float row_max(const float* x, int64_t n) { return MOE_DISPATCH(RowMax)(x, n); }
 double exp_shift_sum(float* x, int64_t n, float shift) {
-  return HWY_DYNAMIC_DISPATCH(ExpShiftSum)(x, n, shift);
+  return MOE_DISPATCH(ExpShiftSum)(x, n, shift);
 }
-void scale_row(float* x, int64_t n, float s) { HWY_DYNAMIC_DISPATCH(ScaleRow)(x, n, s); }
-void sigmoid_row(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(SigmoidRow)(x, y, n); }
+void scale_row(float* x, int64_t n, float s) { MOE_DISPATCH(ScaleRow)(x, n, s); }
+void sigmoid_row(const float* x, float* y, int64_t n) { MOE_DISPATCH(SigmoidRow)(x, y, n); }
 void swiglu_row(const float* g, const float* u, float* h, int64_t n) {
-  HWY_DYNAMIC_DISPATCH(SwigluRow)(g, u, h, n);
+  MOE_DISPATCH(SwigluRow)(g, u, h, n);
 }
 void swiglu_backward_row(const float* g, const float* u, const float* dh, float* dg, float* du,
                          int64_t n) {
-  HWY_DYNAMIC_DISPATCH(SwigluBackwardRow)(g, u, dh, dg, du, n);
+  MOE_DISPATCH(SwigluBackwardRow)(g, u, dh, dg, du, n);
 }
 
 double softmax_inplace(float* x, int64_t n) {

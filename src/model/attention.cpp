@@ -20,7 +20,7 @@ Tensor activation(const Shape& shape) {
 
 // Query rows per attention block. A block of rows [r0, r1) only needs keys [0, r1), so blocking
 // skips most of the masked upper triangle ((n+1)/2n of the full S x S work for n blocks) while
-// the GEMMs stay large enough for BLAS to run at speed.
+// the matmuls stay large enough to run at speed.
 constexpr int64_t kBlock = 64;
 
 // One [rows, ld]-strided scratch slab per OpenMP thread, so blocks reuse memory across tasks.
