@@ -6,7 +6,6 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <fmt/format.h>
-#include <omp.h>
 
 #include "core/parallel.h"
 #include "core/rng.h"
@@ -31,7 +30,7 @@ int main(int argc, char** argv) {
   CLI::App app{"engine end-to-end training throughput"};
   std::string config = "small";
   int64_t vocab = 0, batch = 8, seq = 256, steps = 10, warmup = 2;
-  int threads = omp_get_num_procs();
+  int threads = available_cpus();
   app.add_option("--config", config);
   app.add_option("--vocab", vocab, "override vocab_size (0 = preset)");
   app.add_option("--batch", batch);

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "core/error.h"
@@ -94,4 +95,59 @@ TEST(BlockCache, LargeBlocksAreReusedAndBounded) {
   { Tensor d = Tensor::empty({1000}, DType::F32, MemCategory::Scratch); }
   EXPECT_EQ(block_cache_stats().misses, misses);
   EXPECT_EQ(block_cache_stats().cached_bytes, 0);
+}
+
+TEST(ThreadPool, LoopsCoverEveryIndexOnceAtAnyThreadCount) {
+  const int before = num_threads();
+  for (int threads : {1, 2, 3, 8}) {
+    set_num_threads(threads);
+    EXPECT_EQ(num_threads(), threads);
+    for (int round = 0; round < 200; ++round) {
+      const int64_t n = round % 37;
+      std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+      std::atomic<int> bad_index{0};
+      auto body = [&](int64_t i) {
+        hits[static_cast<size_t>(i)].fetch_add(1);
+        if (thread_index() < 0 || thread_index() >= threads) bad_index.fetch_add(1);
+      };
+      if (round % 2) parallel_for(0, n, body);
+      else parallel_for_dynamic(0, n, body);
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)].load(), 1) << threads << " " << i;
+      EXPECT_EQ(bad_index.load(), 0);
+    }
+  }
+  set_num_threads(before);
+}
+
+TEST(ThreadPool, NestedLoopsRunSeriallyOnTheCallingThread) {
+  std::vector<int> inner_thread(64, -1);
+  std::atomic<int> mismatches{0};
+  parallel_for(0, 8, [&](int64_t o) {
+    const int me = thread_index();
+    parallel_for(0, 8, [&](int64_t i) {
+      inner_thread[static_cast<size_t>(o * 8 + i)] = thread_index();
+      if (thread_index() != me) mismatches.fetch_add(1);
+    });
+  });
+  EXPECT_EQ(mismatches.load(), 0);
+  for (int t : inner_thread) EXPECT_GE(t, 0);
+}
+
+TEST(ThreadPool, AnExceptionInABodyReachesTheCaller) {
+  for (bool dynamic : {false, true}) {
+    auto body = [](int64_t i) {
+      if (i == 13) fail("body {} failed", i);
+    };
+    try {
+      if (dynamic) parallel_for_dynamic(0, 100, body);
+      else parallel_for(0, 100, body);
+      ADD_FAILURE() << "no exception";
+    } catch (const Error& e) {
+      EXPECT_STREQ(e.what(), "body 13 failed");
+    }
+    // The pool still works afterwards.
+    std::atomic<int64_t> sum{0};
+    parallel_for(0, 100, [&](int64_t i) { sum.fetch_add(i); });
+    EXPECT_EQ(sum.load(), 4950);
+  }
 }

@@ -2,7 +2,11 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/error.h"
 #include "core/memory.h"
+#include "core/parallel.h"
+#include "core/simd.h"
+#include "kernels/fma_peak.h"
 #include "io/model_spec.h"
 #include "model/config.h"
 
@@ -52,15 +56,32 @@ void print_info(const std::string& spec) {
   fmt::print("MLA KV cache     {} per token (fp32 latent, all layers)\n", format_bytes(kv_per_token));
 }
 
+// The machine the kernels run on: what MFU is measured against.
+void print_machine() {
+  fmt::print("cpu              {}\n", simd::cpu_model());
+  std::string targets;
+  for (simd::Target t : simd::supported()) targets += (targets.empty() ? "" : ", ") + std::string(simd::name(t));
+  fmt::print("simd targets     {} (in use: {})\n", targets, simd::description(simd::current()));
+  const FmaPeak peak = measure_fma_peak(num_threads());
+  fmt::print("fp32 FMA peak    {:.1f} GFLOP/s on {} thread{} (measured now)\n", peak.gflops, peak.threads,
+             peak.threads == 1 ? "" : "s");
+}
+
 }  // namespace
 
 void add_info_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("info", "print parameter counts and memory of a model config");
   auto spec = std::make_shared<std::string>();
+  auto machine = std::make_shared<bool>(false);
   cmd->add_option("--config", *spec, "preset name (" + preset_names_joined() +
-                                         "), config.json file or model directory")
-      ->required();
-  cmd->callback([spec] { print_info(*spec); });
+                                         "), config.json file or model directory");
+  cmd->add_flag("--machine", *machine,
+                "print the CPU, its SIMD targets and its measured fp32 FMA peak (the MFU denominator)");
+  cmd->callback([spec, machine] {
+    if (*machine) print_machine();
+    if (!spec->empty()) print_info(*spec);
+    if (spec->empty() && !*machine) fail("moe info: give --config SPEC and/or --machine");
+  });
 }
 
 }  // namespace moe::cli

@@ -1,14 +1,15 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <string>
 
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "core/simd.h"
 #include "dist/communicator.h"
 
 namespace {
@@ -17,7 +18,7 @@ namespace {
 int default_threads() {
   int local_ranks = 1;
   if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local_ranks = std::max(1, std::atoi(v));
-  return std::max(1, omp_get_num_procs() / local_ranks);
+  return std::max(1, moe::available_cpus() / local_ranks);
 }
 
 }  // namespace
@@ -31,7 +32,17 @@ int main(int argc, char** argv) {
   int threads = default_threads();
   app.add_option("--threads", threads, "worker threads (results are identical for any count)")
       ->check(CLI::PositiveNumber);
-  app.parse_complete_callback([&] { moe::set_num_threads(threads); });
+  std::string simd_target;
+  app.add_option("--simd", simd_target,
+                 "SIMD target of the kernels: auto, avx512, avx2 or scalar (default: auto, or the "
+                 "MOE_SIMD environment variable); results are identical on every target");
+  app.parse_complete_callback([&] {
+    moe::set_num_threads(threads);
+    if (simd_target.empty())
+      moe::simd::current();  // applies MOE_SIMD, or reports it is wrong before any work
+    else
+      moe::simd::select(moe::simd::parse(simd_target, "--simd"));
+  });
   moe::cli::add_info_command(app);
   moe::cli::add_logits_command(app);
   moe::cli::add_train_command(app);

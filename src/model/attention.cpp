@@ -1,7 +1,5 @@
 #include "model/attention.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 
@@ -28,9 +26,9 @@ class ThreadSlabs {
  public:
   explicit ThreadSlabs(int64_t floats_each)
       : each_(floats_each),
-        buf_(Tensor::empty({omp_get_max_threads() * floats_each}, DType::F32,
+        buf_(Tensor::empty({num_threads() * floats_each}, DType::F32,
                            MemCategory::Scratch)) {}
-  float* mine() const { return buf_.f32() + omp_get_thread_num() * each_; }
+  float* mine() const { return buf_.f32() + thread_index() * each_; }
 
  private:
   int64_t each_;

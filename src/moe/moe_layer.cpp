@@ -1,7 +1,5 @@
 #include "moe/moe_layer.h"
 
-#include <omp.h>
-
 #include <cstring>
 
 #include "core/error.h"
@@ -206,14 +204,14 @@ Tensor MoELayer::backward(const Tensor& dy, const Tensor& x_in, float aux_grad_s
   //   weight gradient below.
   Tensor d_row_w = activation({R});
   {
-    const Tensor h_rows = Tensor::empty({omp_get_max_threads(), H}, DType::F32, MemCategory::Scratch);
+    const Tensor h_rows = Tensor::empty({num_threads(), H}, DType::F32, MemCategory::Scratch);
     const float* rw = saved_.row_weights.f32();
     float* gp = saved_.g.f32();
     float* up = saved_.u.f32();
     float* dhp = d_h.f32();
     float* dw = d_row_w.f32();
     parallel_for(0, R, [&](int64_t r) {
-      float* h = h_rows.f32() + omp_get_thread_num() * H;
+      float* h = h_rows.f32() + thread_index() * H;
       float* g = gp + r * H;
       float* u = up + r * H;
       float* dh = dhp + r * H;
