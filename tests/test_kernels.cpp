@@ -114,6 +114,11 @@ TEST(VectorMath, EveryKernelGivesTheSameBitsOnEveryTarget) {
       swiglu_row(x.f32(), u.f32(), c.data(), len);
       swiglu_backward_row(x.f32(), u.f32(), dh.f32(), d.data(), e.data(), len);
       for (auto* v : {&b, &c, &d, &e}) out.insert(out.end(), v->begin(), v->end());
+      std::vector<float> y(len), dxr(len);
+      const float rs = rmsnorm_row(x.f32(), u.f32(), y.data(), len, 1e-6f);
+      rmsnorm_backward_row(x.f32(), u.f32(), rs, dh.f32(), dxr.data(), len);
+      out.push_back(rs);
+      for (auto* v : {&y, &dxr}) out.insert(out.end(), v->begin(), v->end());
       std::vector<float> w(x.f32(), x.f32() + len), m(len, 0.1f), vv(len, 0.2f);
       adamw_row(w.data(), u.f32(), m.data(), vv.data(), len, {0.5f, 0.999f, 0.9f, 0.95f, 1e-3f, 0.7f, 1e-8f});
       for (auto* v : {&w, &m, &vv}) out.insert(out.end(), v->begin(), v->end());

@@ -36,28 +36,15 @@ void swiglu_backward(const float* g, const float* u, const float* dh, float* dg,
 void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, int64_t rows,
                      int64_t dim, float eps) {
   parallel_for(0, rows, [&](int64_t r) {
-    const float* xr = x + r * dim;
-    double ss = 0;
-    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float rs = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(dim) + eps));
+    const float rs = rmsnorm_row(x + r * dim, w, y + r * dim, dim, eps);
     if (rstd) rstd[r] = rs;
-    float* yr = y + r * dim;
-    for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * rs * w[i];
   });
 }
 
 void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
                       float* dw, int64_t rows, int64_t dim) {
   parallel_for(0, rows, [&](int64_t r) {
-    const float* xr = x + r * dim;
-    const float* dyr = dy + r * dim;
-    const double rs = rstd[r];
-    double dot = 0;
-    for (int64_t i = 0; i < dim; ++i) dot += static_cast<double>(dyr[i]) * w[i] * xr[i];
-    const double c = dot * rs * rs * rs / static_cast<double>(dim);
-    float* dxr = dx + r * dim;
-    for (int64_t i = 0; i < dim; ++i)
-      dxr[i] = static_cast<float>(rs * dyr[i] * w[i] - c * xr[i]);
+    rmsnorm_backward_row(x + r * dim, w, rstd[r], dy + r * dim, dx + r * dim, dim);
   });
   if (!dw) return;
   // Column blocks own their sums, rows are visited in order: same bits for any thread count.

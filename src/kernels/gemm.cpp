@@ -17,12 +17,11 @@
 //   per k, kNv vector loads of packed B and kMr broadcasts of A feed kMr·kNv FMAs. AVX-512:
 //   12 × 32 (24 accumulators), AVX2: 6 × 16 (12 accumulators).
 //
-// * Packing. B (K × N) is copied in blocks of kKc × kNc into panels of kNr columns, k-major, so
-//   the kernel's loads are contiguous: a plain copy for nn/tn (B rows are k), a transposition in
-//   registers for nt (B rows are j). A is copied per kMr-row micro-panel: rows kept as rows
-//   (stride kKc) for nt/nn, k-major for tn; the copy keeps the kernel's A stream in a few L1
-//   sets no matter how A's rows are strided. The micro-panel (≤ 12 KiB) stays in L1 while the
-//   B block (≤ 512 KiB) streams from L2.
+// * Operands. B is packed once per column block into panels of kNr columns, k-major: a copy for
+//   nn/tn (B's rows are k), a transposition in registers for nt (B's rows are j). A is copied per kMr-row micro-panel so that the broadcasts walk one
+//   contiguous stream whatever A's row stride: in chunks of 16 k's per row for nt/nn, k-major
+//   for tn — a copy, never a transposition. The micro-panel (≤ 15 KiB) stays in L1 while the
+//   B panels stream from L2.
 //
 // * Threads. The C matrix is cut into tasks (column blocks first, then row blocks) by shape and
 //   thread count; each task packs what it touches into per-thread scratch. Any cut gives the
@@ -104,10 +103,11 @@ static_assert(kN == 8 || kN == 16, "gemm kernels are tuned for 256- and 512-bit 
 constexpr int kMr = kN == 16 ? 12 : 6;
 constexpr int kNv = 2;
 constexpr int64_t kNr = kNv * kN;
-// Contraction block; B block width (a kKc × kNc block of packed B, 512 KiB / 256 KiB, is reused
-// from L2 by every row panel of a kMc-row block, whose C block stays in L2 over all of K); packed
-// B of one column block is at most kMaxPackedB floats (4 MiB, in L3), narrower for a long K.
-constexpr int64_t kKc = 256;
+// Contraction blocks of at most kKc (K split evenly, in multiples of 16, so no block is a short
+// remainder); B block width (a kKc × kNc block of B is reused from L2 by every row panel of a
+// kMc-row block, whose C block stays in L2 over all of K); packed B of one column block is at
+// most kMaxPackedB floats (4 MiB, in L3), narrower for a long K.
+constexpr int64_t kKc = 320;
 constexpr int64_t kNc = kN == 16 ? 1024 : 512;
 constexpr int64_t kMc = 8 * kMr;
 constexpr int64_t kMaxPackedB = int64_t{1} << 20;
@@ -134,34 +134,31 @@ HWY_INLINE void transpose_square(V* r) {
   }
 }
 
-// Packs B(k, j) for k in [pc, pc + kc), j in [jc, jc + nc) into panels of kNr columns:
-// out[(panel·kc + k)·kNr + column in panel]; columns past nc are zero. Only panels
-// [jp0, jp1) are written, so several threads can pack one block.
+// Packs B(k, j) for k in [pc, pc + kc), j in [jc, jc + nc) into panels of kNr columns,
+// out[(panel·kc + k)·kNr + column in panel]; columns past nc are zero. Only panels [jp0, jp1)
+// are written, so several threads can pack one block.
 void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, int64_t jp0,
             int64_t jp1, float* out) {
   const D d;
   if (p.layout != Layout::NT) {
-    // B rows are k: copy kNr floats of each row (fewer at the right edge, zero-filled).
+    // B's rows are k: copy kNr floats of each row (fewer at the right edge, zero-filled).
     for (int64_t jp = jp0; jp < jp1; ++jp) {
       const int64_t j0 = jc + jp * kNr, w = std::min(kNr, jc + nc - j0);
       float* dst = out + jp * kc * kNr;
       const float* src = p.B + pc * p.ldb + j0;
-      for (int64_t k = 0; k < kc; ++k, src += p.ldb, dst += kNr) {
-        if (w == kNr) {
-          for (int64_t v = 0; v < kNv; ++v) hn::Store(hn::LoadU(d, src + v * kN), d, dst + v * kN);
-        } else {
-          for (int64_t v = 0; v < kNv; ++v) {
-            const int64_t n = std::clamp<int64_t>(w - v * kN, 0, kN);
-            const V x = n == 0 ? hn::Zero(d) : hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(n)), d, src + v * kN);
-            hn::Store(x, d, dst + v * kN);
-          }
+      for (int64_t k = 0; k < kc; ++k, src += p.ldb, dst += kNr)
+        for (int64_t v = 0; v < kNv; ++v) {
+          const int64_t n = std::clamp<int64_t>(w - v * kN, 0, kN);
+          const V x = n == kN ? hn::LoadU(d, src + v * kN)
+                      : n == 0 ? hn::Zero(d)
+                               : hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(n)), d, src + v * kN);
+          hn::Store(x, d, dst + v * kN);
         }
-      }
     }
     return;
   }
-  // nt: B(k, j) = B[j·ldb + k]. Squares of kN columns × kN k's are transposed in registers;
-  // columns past nc read as zero rows, k's past kc are masked off (never read).
+  // nt: B's rows are j. Squares of kN columns × kN k's are transposed in registers; columns past
+  // nc read as zero rows, k's past kc are masked off (never read).
   for (int64_t jp = jp0; jp < jp1; ++jp) {
     float* panel = out + jp * kc * kNr;
     for (int64_t v = 0; v < kNv; ++v) {
@@ -193,13 +190,8 @@ void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, in
 constexpr int64_t kChunk = 16;
 
 template <int MR>
-void pack_a(const Problem& p, int64_t i0, int64_t pc, int64_t kc, float* out) {
+void pack_a_rows(const Problem& p, int64_t i0, int64_t pc, int64_t kc, float* out) {
   const D d;
-  if (p.layout == Layout::TN) {
-    const float* src = p.A + pc * p.lda + i0;
-    for (int64_t k = 0; k < kc; ++k, src += p.lda) std::memcpy(out + k * MR, src, sizeof(float) * MR);
-    return;
-  }
   for (int i = 0; i < MR; ++i) {
     const float* src = p.A + (i0 + i) * p.lda + pc;
     float* dst = out + i * kChunk;
@@ -215,35 +207,38 @@ void pack_a(const Problem& p, int64_t i0, int64_t pc, int64_t kc, float* out) {
 
 // ------------------------------------------------------------------------------ micro-kernel
 
-// C[0..MR, 0..cols) (+)= Ap · Bp over kc, for one packed A micro-panel and one B panel.
-// `load_c`: continue the chains stored in C (a later K block, or accumulate); else start at +0.
-template <int MR, bool kKMajorA>
+// C[0..MR, 0..cols) (+)= Ap · Bp over kc, for one packed A micro-panel and one packed B panel
+// (rows of kNr floats). `load_c`: continue the chains stored
+// in C (a later K block, or accumulate); else start at +0. kFull: all kNr columns; else `cols`
+// of them, with masked loads and stores.
+template <int MR, bool kKMajorA, bool kFull>
 HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RESTRICT bp,
                                int64_t kc, float* c, int64_t ldc, bool load_c, int64_t cols) {
   const D d;
+  using M = hn::Mask<D>;
+  M mask[kNv];
+  for (int v = 0; v < kNv; ++v)
+    mask[v] = hn::FirstN(d, static_cast<size_t>(std::clamp<int64_t>(cols - v * kN, 0, kN)));
   // Loops over the tile are fully unrolled (constant trip counts), so the accumulators live in
   // registers.
   V acc[MR][kNv];
-  if (cols == kNr) {
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-      for (int v = 0; v < kNv; ++v)
-        acc[i][v] = load_c ? hn::LoadU(d, c + i * ldc + v * kN) : hn::Zero(d);
-  } else {
-    for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kNv; ++v) {
-        const int64_t n = std::clamp<int64_t>(cols - v * kN, 0, kN);
-        acc[i][v] = load_c && n > 0
-                        ? hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(n)), d, c + i * ldc + v * kN)
-                        : hn::Zero(d);
-      }
-  }
-  // One step of the chains: k-th B row against the broadcasts of a(i) = a_col[i·stride].
+    for (int v = 0; v < kNv; ++v) {
+      const float* src = c + i * ldc + v * kN;
+      if (!load_c) acc[i][v] = hn::Zero(d);
+      else if constexpr (kFull) acc[i][v] = hn::LoadU(d, src);
+      else acc[i][v] = hn::MaskedLoad(mask[v], d, src);
+    }
+  // One step of the chains: a B row against the broadcasts of a(i) = a_col[i·stride].
   auto step = [&](const float* HWY_RESTRICT b_row, const float* HWY_RESTRICT a_col, int64_t stride) {
     V b[kNv];
 #pragma GCC unroll 4
-    for (int v = 0; v < kNv; ++v) b[v] = hn::Load(d, b_row + v * kN);
+    for (int v = 0; v < kNv; ++v) {
+      if constexpr (kFull) b[v] = hn::Load(d, b_row + v * kN);
+      else b[v] = hn::MaskedLoad(mask[v], d, b_row + v * kN);
+    }
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       const V a = hn::Set(d, a_col[i * stride]);
@@ -257,87 +252,114 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
   } else {
     for (int64_t k0 = 0; k0 < kc; k0 += kChunk) {
       const float* a_chunk = ap + k0 * MR;
+      const float* b_chunk = bp + k0 * kNr;
       const int64_t n = std::min(kChunk, kc - k0);
 #pragma GCC unroll 4
-      for (int64_t k = 0; k < n; ++k) step(bp + (k0 + k) * kNr, a_chunk + k, kChunk);
+      for (int64_t k = 0; k < n; ++k) step(b_chunk + k * kNr, a_chunk + k, kChunk);
     }
   }
-  if (cols == kNr) {
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-      for (int v = 0; v < kNv; ++v) hn::StoreU(acc[i][v], d, c + i * ldc + v * kN);
-  } else {
-    for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kNv; ++v) {
-        const int64_t n = std::clamp<int64_t>(cols - v * kN, 0, kN);
-        if (n > 0) hn::BlendedStore(acc[i][v], hn::FirstN(d, static_cast<size_t>(n)), d, c + i * ldc + v * kN);
-      }
-  }
+    for (int v = 0; v < kNv; ++v) {
+      float* dst = c + i * ldc + v * kN;
+      if constexpr (kFull) hn::StoreU(acc[i][v], d, dst);
+      else hn::BlendedStore(acc[i][v], mask[v], d, dst);
+    }
 }
 
 template <int... I>
 constexpr auto pack_a_table(std::integer_sequence<int, I...>) {
   return std::array<void (*)(const Problem&, int64_t, int64_t, int64_t, float*), sizeof...(I)>{
-      &pack_a<I + 1>...};
+      &pack_a_rows<I + 1>...};
 }
 using MicroKernelFn = void (*)(const float*, const float*, int64_t, float*, int64_t, bool, int64_t);
-template <bool kKMajorA, int... I>
+template <bool kKMajorA, bool kFull, int... I>
 constexpr auto micro_kernel_table(std::integer_sequence<int, I...>) {
-  return std::array<MicroKernelFn, sizeof...(I)>{&micro_kernel<I + 1, kKMajorA>...};
+  return std::array<MicroKernelFn, sizeof...(I)>{&micro_kernel<I + 1, kKMajorA, kFull>...};
 }
 constexpr auto kPackA = pack_a_table(std::make_integer_sequence<int, kMr>{});
-constexpr auto kMicroKernelKMajor = micro_kernel_table<true>(std::make_integer_sequence<int, kMr>{});
-constexpr auto kMicroKernelChunked = micro_kernel_table<false>(std::make_integer_sequence<int, kMr>{});
+// [k-major A][full panel][rows - 1]
+const std::array<MicroKernelFn, kMr> kMicroKernels[2][2] = {
+    {micro_kernel_table<false, false>(std::make_integer_sequence<int, kMr>{}),
+     micro_kernel_table<false, true>(std::make_integer_sequence<int, kMr>{})},
+    {micro_kernel_table<true, false>(std::make_integer_sequence<int, kMr>{}),
+     micro_kernel_table<true, true>(std::make_integer_sequence<int, kMr>{})}};
 
 // Floats per packed A micro-panel.
 constexpr int64_t kAPanel = kMr * kKc;
 
-// B of one column block [jc, jc + nc), packed for all of K: K block b at bbuf + b·block_floats.
+// Packs the micro-panels of rows [i0, i1) (panel q at out + q·kAPanel) for k in [pc, pc + kc).
+void pack_a(const Problem& p, int64_t i0, int64_t i1, int64_t pc, int64_t kc, float* out) {
+  if (p.layout != Layout::TN) {
+    for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q)
+      kPackA[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)](p, i, pc, kc, out + q * kAPanel);
+    return;
+  }
+  // k outer: each A row (a k) is read once, front to back, across all the panels.
+  const float* src = p.A + pc * p.lda + i0;
+  for (int64_t k = 0; k < kc; ++k, src += p.lda)
+    for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
+      const int64_t mr = std::min<int64_t>(kMr, i1 - i);
+      std::memcpy(out + q * kAPanel + k * mr, src + (i - i0), sizeof(float) * static_cast<size_t>(mr));
+    }
+}
+
+// B of one column block [jc, jc + nc), packed for all of K: panels of kNr columns per K block.
+// Packing pays even where B's rows are k already (nn, tn): the kernel then streams contiguous
+// panels, never B rows at a large power-of-two stride that would share a few cache sets.
 struct PackedB {
   const float* bbuf;
-  int64_t jc, nc, block_floats;
+  int64_t block_floats;  // floats per K block
+  int64_t jc, nc;
+
+  // Row k = 0 of K block kb (of kc rows) for the panel starting at column j (j - jc a multiple
+  // of kNr).
+  const float* panel(int64_t kb, int64_t kc, int64_t j) const {
+    return bbuf + kb * block_floats + (j - jc) / kNr * kc * kNr;
+  }
 };
 
-// C rows [i0, i1) × columns [j0, j1) (j0 - jc a multiple of kNr) over all of K: per K block, the
-// row block's A micro-panels are packed, then each meets every B panel of the columns. The C
-// block (≤ kMc rows) stays in L2 from one K block to the next.
-void compute_block(const Problem& p, const PackedB& b, int64_t i0, int64_t i1, int64_t j0,
-                   int64_t j1, float* abuf) {
-  for (int64_t pc = 0; pc < p.K; pc += kKc) {
-    const int64_t kc = std::min(kKc, p.K - pc);
+// C rows [i0, i1) × columns [j0, j1) (j0 - jc a multiple of kNr) over all of K in blocks of kcb:
+// per K block, the row block's A micro-panels are packed, then each meets every B panel of the
+// columns. The C block (≤ kMc rows) stays in L2 from one K block to the next.
+void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, int64_t i1,
+                   int64_t j0, int64_t j1, float* abuf) {
+  const bool k_major = p.layout == Layout::TN;
+  for (int64_t pc = 0, kb = 0; pc < p.K; pc += kcb, ++kb) {
+    const int64_t kc = std::min(kcb, p.K - pc);
     const bool load_c = p.accumulate || pc > 0;
-    const float* bblock = b.bbuf + (pc / kKc) * b.block_floats + (j0 - b.jc) / kNr * kc * kNr;
-    for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q)
-      kPackA[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)](p, i, pc, kc, abuf + q * kAPanel);
+    pack_a(p, i0, i1, pc, kc, abuf);
     for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
-      const auto& kernels = p.layout == Layout::TN ? kMicroKernelKMajor : kMicroKernelChunked;
-      const auto kernel = kernels[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)];
-      for (int64_t j = j0; j < j1; j += kNr)
-        kernel(abuf + q * kAPanel, bblock + (j - j0) / kNr * kc * kNr, kc, p.C + i * p.ldc + j, p.ldc,
-               load_c, std::min(kNr, j1 - j));
+      const size_t rows = static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1);
+      for (int64_t j = j0; j < j1; j += kNr) {
+        const int64_t cols = std::min(kNr, j1 - j);
+        kMicroKernels[k_major][cols == kNr][rows](abuf + q * kAPanel, b.panel(kb, kc, j), kc,
+                                                  p.C + i * p.ldc + j, p.ldc, load_c, cols);
+      }
     }
   }
 }
 
-// Column blocks of B are packed once for all of K (by all threads together) and shared; the C
-// rows × columns of the block are then cut into tasks (row blocks of kMc, and column parts when
-// rows alone give too few) that threads take dynamically. Any cut gives the same bits, so it is
-// chosen for speed: enough tasks to balance, few enough to keep A panels reused.
+// Column blocks of B (packed once for all of K by all threads together, then shared) are cut,
+// with the rows, into tasks (row blocks of kMc, and column parts when rows alone give too
+// few) that threads take dynamically. Any cut gives the same bits, so it is chosen for speed:
+// enough tasks to balance, few enough to keep A panels reused.
 void run(const Problem& p, int threads) {
   const int64_t k_blocks = ceil_div(p.K, kKc);
-  const int64_t nc_max = std::clamp(kMaxPackedB / (k_blocks * kKc) / kNr * kNr, kNr, kNc);
-  const int64_t block_floats = kKc * std::min(nc_max, round_up(p.N, kNr));
+  const int64_t kcb = std::min(kKc, round_up(ceil_div(p.K, k_blocks), 16));
+  const int64_t nc_max = std::clamp(kMaxPackedB / (k_blocks * kcb) / kNr * kNr, kNr, kNc);
+  const int64_t block_floats = kcb * std::min(nc_max, round_up(p.N, kNr));
   float* bbuf = kernel_scratch(0, k_blocks * block_floats);
   const int64_t row_blocks = ceil_div(p.M, kMc);
   for (int64_t jc = 0; jc < p.N; jc += nc_max) {
-    const PackedB b{bbuf, jc, std::min(nc_max, p.N - jc), block_floats};
+    const PackedB b{bbuf, block_floats, jc, std::min(nc_max, p.N - jc)};
     const int64_t panels = ceil_div(b.nc, kNr);
     constexpr int64_t kPackGroup = 4;  // panels per packing item
     const int64_t groups = ceil_div(panels, kPackGroup);
-    auto pack = [&](int64_t item) {
+    auto pack_item = [&](int64_t item) {
       const int64_t kb = item / groups, g = item % groups;
-      pack_b(p, kb * kKc, std::min(kKc, p.K - kb * kKc), b.jc, b.nc, g * kPackGroup,
+      pack_b(p, kb * kcb, std::min(kcb, p.K - kb * kcb), b.jc, b.nc, g * kPackGroup,
              std::min(panels, (g + 1) * kPackGroup), bbuf + kb * block_floats);
     };
     int64_t col_parts = 1;
@@ -346,14 +368,16 @@ void run(const Problem& p, int threads) {
     col_parts = ceil_div(b.nc, part);
     auto task = [&](int64_t t) {
       const int64_t r = t / col_parts, c = t % col_parts;
-      compute_block(p, b, r * kMc, std::min(p.M, (r + 1) * kMc), b.jc + c * part,
-                    std::min(b.jc + b.nc, b.jc + (c + 1) * part), kernel_scratch(1, ceil_div(kMc, kMr) * kAPanel));
+      compute_block(p, b, kcb, r * kMc, std::min(p.M, (r + 1) * kMc), b.jc + c * part,
+                    std::min(b.jc + b.nc, b.jc + (c + 1) * part),
+                    kernel_scratch(1, ceil_div(kMc, kMr) * kAPanel));
     };
+    const int64_t pack_items = k_blocks * groups;
     if (threads > 1) {
-      parallel_for(0, k_blocks * groups, pack);
+      parallel_for(0, pack_items, pack_item);
       parallel_for_dynamic(0, row_blocks * col_parts, task);
     } else {
-      for (int64_t item = 0; item < k_blocks * groups; ++item) pack(item);
+      for (int64_t item = 0; item < pack_items; ++item) pack_item(item);
       for (int64_t t = 0; t < row_blocks * col_parts; ++t) task(t);
     }
   }

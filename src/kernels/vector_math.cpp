@@ -168,6 +168,34 @@ void SwigluBackwardRow(const float* g, const float* u, const float* dh, float* d
   });
 }
 
+float RmsnormRow(const float* x, const float* w, float* y, int64_t n, float eps) {
+  const D d;
+  const float ss = sum16(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
+    const V xv = load(x + i, k, tail);
+    return hn::Mul(xv, xv);
+  });
+  const float rs = static_cast<float>(1.0 / std::sqrt(static_cast<double>(ss) / static_cast<double>(n) + eps));
+  const V rsv = hn::Set(d, rs);
+  for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
+    store(hn::Mul(hn::Mul(load(x + i, k, tail), rsv), load(w + i, k, tail)), y + i, k, tail);
+  });
+  return rs;
+}
+
+void RmsnormBackwardRow(const float* x, const float* w, float rs, const float* dy, float* dx, int64_t n) {
+  const D d;
+  const float dot = sum16(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
+    return hn::Mul(hn::Mul(load(dy + i, k, tail), load(w + i, k, tail)), load(x + i, k, tail));
+  });
+  const double r = rs;
+  const V c = hn::Set(d, static_cast<float>(static_cast<double>(dot) * r * r * r / static_cast<double>(n)));
+  const V rsv = hn::Set(d, rs);
+  for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
+    const V g = hn::Mul(hn::Mul(rsv, load(dy + i, k, tail)), load(w + i, k, tail));
+    store(hn::Sub(g, hn::Mul(c, load(x + i, k, tail))), dx + i, k, tail);
+  });
+}
+
 void AdamWRow(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
   const D d;
   const V scale = hn::Set(d, p.grad_scale), decay = hn::Set(d, p.decay);
@@ -200,6 +228,16 @@ HWY_EXPORT(SigmoidRow);
 HWY_EXPORT(SwigluRow);
 HWY_EXPORT(SwigluBackwardRow);
 HWY_EXPORT(AdamWRow);
+HWY_EXPORT(RmsnormRow);
+HWY_EXPORT(RmsnormBackwardRow);
+
+float rmsnorm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
+  return MOE_DISPATCH(RmsnormRow)(x, w, y, n, eps);
+}
+void rmsnorm_backward_row(const float* x, const float* w, float rstd, const float* dy, float* dx,
+                          int64_t n) {
+  MOE_DISPATCH(RmsnormBackwardRow)(x, w, rstd, dy, dx, n);
+}
 
 void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
   MOE_DISPATCH(AdamWRow)(w, g, m, v, n, p);

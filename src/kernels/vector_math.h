@@ -17,6 +17,12 @@ void swiglu_row(const float* g, const float* u, float* h, int64_t n);
 void swiglu_backward_row(const float* g, const float* u, const float* dh, float* dg, float* du,
                          int64_t n);
 
+// y = x · rstd · w with rstd = 1/sqrt(mean(x²) + eps), returned.
+float rmsnorm_row(const float* x, const float* w, float* y, int64_t n, float eps);
+// dx of that row from dy: rstd·dy·w − (Σ dy·w·x)·rstd³/n · x.
+void rmsnorm_backward_row(const float* x, const float* w, float rstd, const float* dy, float* dx,
+                          int64_t n);
+
 // One AdamW update of a row (torch.optim.AdamW's arithmetic): g is read as g * grad_scale;
 // w *= decay; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g²; w -= step_size · m / (√v / bc2_sqrt + eps).
 struct AdamWRowParams {
