@@ -1,13 +1,13 @@
 // MoE throughput at a V2-Lite-like expert shape (dim 1024, expert width 704, 64 experts, top-6,
 // 2048 tokens).
 //  * ExpertGemm/{Forward,Backward}: the grouped expert GEMMs alone under skewed routing with
-//    empty experts; each iteration also times one dense cblas_sgemm of the same FLOPs (outside
+//    empty experts; each iteration also times one dense engine GEMM of the same FLOPs (outside
 //    the measured time), so ratio_vs_dense compares rates taken side by side in one run.
 //  * MoELayer/TrainStep: the whole layer (router, dispatch, experts, combine, 2 shared experts)
 //    forward + backward.
-// Threads: MOE_BENCH_THREADS (default 2).
+// Every rate is also given as of_fma_peak, against the fp32 FMA peak measured at the start.
+// Threads: MOE_BENCH_THREADS (default 2); SIMD target: MOE_SIMD.
 #include <benchmark/benchmark.h>
-#include <cblas.h>
 
 #include <algorithm>
 #include <chrono>
@@ -19,6 +19,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "kernels/activations.h"
+#include "kernels/gemm.h"
 #include "moe/dispatcher.h"
 #include "moe/moe_layer.h"
 
@@ -89,9 +90,7 @@ struct GemmFixture {
     dense_b.resize(static_cast<size_t>(N * kDim), 0.25f);
     dense_c.resize(static_cast<size_t>(R * N));
     const auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(R), static_cast<int>(N),
-                kDim, 1.0f, dense_a.data(), kDim, dense_b.data(), kDim, 0.0f, dense_c.data(),
-                static_cast<int>(N));
+    gemm_nt(R, N, kDim, dense_a.data(), kDim, dense_b.data(), kDim, dense_c.data(), N, false);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 };
@@ -118,6 +117,7 @@ void run_gemm_bench(benchmark::State& state, double flops, F&& body) {
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["dense_GFLOPs"] = flops * n * 1e-9 / dense;
   state.counters["ratio_vs_dense"] = dense / grouped;
+  state.counters["of_fma_peak"] = flops * n * 1e-9 / grouped / bench::fma_peak_gflops();
   int64_t empty = 0, largest = 0;
   for (int64_t e = 0; e < f.seg.experts(); ++e)
     empty += f.seg.rows(e) == 0, largest = std::max(largest, f.seg.rows(e));
@@ -170,10 +170,13 @@ void BM_MoELayerTrainStep(benchmark::State& state) {
   Tensor dy = Tensor::empty({kTokens, kDim}, DType::F32, MemCategory::Scratch);
   fill(x.f32(), x.numel(), rng, 1.0f);
   fill(dy.f32(), dy.numel(), rng, 1.0f);
+  double seconds = 0;
   for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
     Tensor y = layer.forward(x, shape, Pass::Train);
     Tensor dx = layer.backward(dy);
     benchmark::DoNotOptimize(dx.raw());
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   const double T = kTokens, R = T * kTopK;
   const double flops = 3.0 * (2.0 * T * kExperts * kDim           // router (fwd + 2x bwd)
@@ -183,6 +186,8 @@ void BM_MoELayerTrainStep(benchmark::State& state) {
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["tokens_per_s"] =
       benchmark::Counter(T, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["of_fma_peak"] =
+      flops * static_cast<double>(state.iterations()) * 1e-9 / seconds / bench::fma_peak_gflops();
   int64_t empty = 0, largest = 0;
   for (int64_t c : layer.expert_counts()) empty += c == 0, largest = std::max(largest, c);
   state.counters["largest_expert"] =

@@ -16,7 +16,7 @@ bin="$BUILD_DIR/bench/bench_dispatch"
 echo "cores: $(nproc)"
 header=()
 for np in ${NPS:-1 2 4}; do
-  OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive \
+  OMP_NUM_THREADS=1 \
     mpirun --allow-run-as-root --oversubscribe -np "$np" "$bin" --threads 1 "${header[@]}" "$@"
   header=(--no-header)
 done

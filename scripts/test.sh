@@ -6,6 +6,5 @@ bash scripts/setup.sh
 BUILD_DIR=${BUILD_DIR:-build}
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build "$BUILD_DIR" -j "$(nproc)"
-# Tests run one at a time: each already uses every core, and OpenMP threads of two tests
-# spinning against each other slow the suite down by an order of magnitude.
+# Tests run one at a time: each already uses every core.
 cd "$BUILD_DIR" && ctest --output-on-failure

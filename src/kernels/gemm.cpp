@@ -109,7 +109,7 @@ constexpr int64_t kNr = kNv * kN;
 // most kMaxPackedB floats (4 MiB, in L3), narrower for a long K.
 constexpr int64_t kKc = 320;
 constexpr int64_t kNc = kN == 16 ? 1024 : 512;
-constexpr int64_t kMc = 8 * kMr;
+constexpr int64_t kMc = 4 * kMr;
 constexpr int64_t kMaxPackedB = int64_t{1} << 20;
 
 // ------------------------------------------------------------------------------ packing
@@ -296,13 +296,16 @@ void pack_a(const Problem& p, int64_t i0, int64_t i1, int64_t pc, int64_t kc, fl
       kPackA[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)](p, i, pc, kc, out + q * kAPanel);
     return;
   }
-  // k outer: each A row (a k) is read once, front to back, across all the panels.
+  // k outer: each A row (a k) is read once, front to back, across all the panels. Full panels
+  // copy kMr floats with a fixed-size copy (a vector or two); the last one may be narrower.
+  const int64_t full = (i1 - i0) / kMr, rest = (i1 - i0) % kMr;
   const float* src = p.A + pc * p.lda + i0;
-  for (int64_t k = 0; k < kc; ++k, src += p.lda)
-    for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
-      const int64_t mr = std::min<int64_t>(kMr, i1 - i);
-      std::memcpy(out + q * kAPanel + k * mr, src + (i - i0), sizeof(float) * static_cast<size_t>(mr));
-    }
+  for (int64_t k = 0; k < kc; ++k, src += p.lda) {
+    for (int64_t q = 0; q < full; ++q)
+      std::memcpy(out + q * kAPanel + k * kMr, src + q * kMr, sizeof(float) * kMr);
+    if (rest)
+      std::memcpy(out + full * kAPanel + k * rest, src + full * kMr, sizeof(float) * static_cast<size_t>(rest));
+  }
 }
 
 // B of one column block [jc, jc + nc), packed for all of K: panels of kNr columns per K block.
