@@ -133,6 +133,18 @@ TEST(ThreadPool, NestedLoopsRunSeriallyOnTheCallingThread) {
   for (int t : inner_thread) EXPECT_GE(t, 0);
 }
 
+TEST(ThreadPool, ResizingInsideALoopIsAnError) {
+  std::atomic<int> errors{0};
+  parallel_for(0, 4, [&](int64_t) {
+    try {
+      set_num_threads(3);
+    } catch (const Error&) {
+      errors.fetch_add(1);
+    }
+  });
+  EXPECT_EQ(errors.load(), 4);
+}
+
 TEST(ThreadPool, AnExceptionInABodyReachesTheCaller) {
   for (bool dynamic : {false, true}) {
     auto body = [](int64_t i) {

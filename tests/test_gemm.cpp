@@ -155,6 +155,17 @@ TEST(Gemm, AccumulatingContinuesTheChain) {
   EXPECT_TRUE(same_bits(C, whole));
 }
 
+TEST(Gemm, LongContractionsRunInSlicesWithTheSameBits) {
+  // K beyond one slice (4,096 on AVX-512, 8,192 on AVX2): the chains continue through C.
+  for_each_simd_target([](simd::Target) {
+    for (Op op : {Op::NT, Op::TN}) {
+      const Case c = make_case(op, 13, 40, 9000, 23, 1);
+      for (bool accumulate : {false, true})
+        ASSERT_TRUE(same_bits(run(c, accumulate), reference(c, accumulate))) << op_name(op);
+    }
+  });
+}
+
 TEST(Gemm, MatchesDoubleReference) {
   // Not only self-consistent: close to the exact product.
   const Case c = make_case(Op::NN, 33, 47, 700, 17, 0);

@@ -13,6 +13,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -20,6 +21,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+
+#include "core/error.h"
 
 namespace moe {
 
@@ -109,22 +112,34 @@ struct Loop {
 
 class Pool {
  public:
-  Pool() { resize(default_threads()); }
+  Pool() {
+    try {
+      resize(default_threads());
+    } catch (const std::system_error&) {
+      // No thread could be created: loops run on the caller alone.
+    }
+  }
   ~Pool() { stop_workers(); }
 
-  int threads() const { return threads_; }
+  int threads() const { return threads_.load(std::memory_order_relaxed); }
 
   void resize(int n) {
     n = std::max(1, n);
+    MOE_CHECK(!t_in_loop, "set_num_threads({}) inside a parallel loop's body", n);
     const std::lock_guard<std::mutex> lock(mu_);
-    if (n == threads_) return;
+    if (n == threads_.load()) return;
     stop_workers();
-    threads_ = n;
     stop_ = false;
     // Workers start from the generation as it is now: one read later could miss a loop (or
     // the stop) published before the thread got going.
     const uint32_t generation = start_.load(std::memory_order_acquire);
-    for (int w = 1; w < n; ++w) workers_.emplace_back([this, w, generation] { worker(w, generation); });
+    try {
+      for (int w = 1; w < n; ++w) workers_.emplace_back([this, w, generation] { worker(w, generation); });
+    } catch (...) {
+      stop_workers();  // no thread count the loops would wait for in vain
+      throw;
+    }
+    threads_ = n;
   }
 
   void run(int64_t begin, int64_t end, bool dynamic, detail::IndexFn fn, void* body) {
@@ -132,16 +147,22 @@ class Pool {
     if (n <= 0) return;
     std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
     // Nested loops, a second caller while a loop runs, one thread or one index: serially here.
-    if (t_in_loop || threads_ == 1 || n == 1 || !lock.try_lock()) {
+    if (t_in_loop || n == 1 || threads() == 1 || !lock.try_lock()) {
+      for (int64_t i = begin; i < end; ++i) fn(body, i);
+      return;
+    }
+    const int threads = threads_.load();
+    if (threads == 1) {  // resized while this caller waited for the lock
+      lock.unlock();
       for (int64_t i = begin; i < end; ++i) fn(body, i);
       return;
     }
     loop_.fn = fn, loop_.body = body, loop_.begin = begin, loop_.end = end, loop_.dynamic = dynamic;
-    loop_.parts = static_cast<int>(std::min<int64_t>(threads_, n));
+    loop_.parts = static_cast<int>(std::min<int64_t>(threads, n));
     loop_.next.store(begin, std::memory_order_relaxed);
     loop_.error = nullptr;
     const uint32_t done_before = done_.load(std::memory_order_relaxed);
-    running_.store(threads_ - 1, std::memory_order_relaxed);
+    running_.store(threads - 1, std::memory_order_relaxed);
     publish(start_, start_sleepers_);
     t_in_loop = true;
     loop_.run_part(0);
@@ -179,6 +200,7 @@ class Pool {
   }
 
   void stop_workers() {
+    threads_ = 1;  // loops started from now on (even from a static destructor) run serially
     if (workers_.empty()) return;
     stop_.store(true, std::memory_order_release);
     publish(start_, start_sleepers_);
@@ -187,7 +209,7 @@ class Pool {
   }
 
   std::mutex mu_;  // one loop at a time; held while it runs
-  int threads_ = 0;
+  std::atomic<int> threads_{1};
   std::vector<std::thread> workers_;
   Loop loop_;
   std::atomic<bool> stop_{false};

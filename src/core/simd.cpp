@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 
 #include "core/error.h"
 
@@ -39,6 +40,7 @@ std::string supported_list() {
 }
 
 std::atomic<int> g_current{-1};
+std::mutex g_select_mu;  // Highway's target mask is a plain global
 
 }  // namespace
 
@@ -80,6 +82,7 @@ void select(Target t) {
   if (t == Target::Auto) t = supported().front();
   MOE_CHECK(cpu_has(t), "SIMD target '{}' is not supported by this CPU ({}); supported: {}",
             name(t), cpu_model(), supported_list());
+  const std::lock_guard<std::mutex> lock(g_select_mu);
   hwy::SetSupportedTargetsForTest(hwy_bit(t));
   g_current.store(static_cast<int>(t));
 }
@@ -87,8 +90,14 @@ void select(Target t) {
 Target current() {
   int c = g_current.load();
   if (c < 0) {
-    const char* env = std::getenv("MOE_SIMD");
-    select(env && *env ? parse(env, "environment variable MOE_SIMD") : Target::Auto);
+    // The first kernel call may come from several threads at once: one applies MOE_SIMD (or
+    // fails on it, again for every caller), the others wait for it.
+    static std::mutex first_use;
+    const std::lock_guard<std::mutex> lock(first_use);
+    if (g_current.load() < 0) {
+      const char* env = std::getenv("MOE_SIMD");
+      select(env && *env ? parse(env, "environment variable MOE_SIMD") : Target::Auto);
+    }
     c = g_current.load();
   }
   return static_cast<Target>(c);

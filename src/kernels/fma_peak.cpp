@@ -144,13 +144,15 @@ FmaPeak measure_fma_peak(int threads) {
     return p;
   }
   // Cores do not share FMA units, so all threads together should reach about threads × one
-  // thread's rate. A virtual machine whose host briefly runs two of its CPUs on one core gives
-  // far less for a while: keep measuring (up to ~1.5 s) until the rate is plausible.
+  // thread's rate. A virtual machine whose host briefly runs two of its CPUs on one core, or
+  // other load, gives far less for a while: keep measuring (up to ~1.5 s) until the rate is
+  // plausible.
   for (int rep = 0; rep < 30; ++rep) {
     p.gflops = std::max(p.gflops, run_once(threads, iters));
     if (rep >= 6 && p.gflops >= 0.9 * single * threads) break;
     if (rep >= 6) std::this_thread::sleep_for(std::chrono::milliseconds(40));
   }
+  p.plausible = p.gflops >= 0.9 * single * threads;
   return p;
 }
 
@@ -178,7 +180,9 @@ FmaPeak fma_peak(int threads) {
     return p;
   }
   p = measure_fma_peak(p.threads);
-  if (!file.empty()) {
+  // A figure taken while the cores were shared would inflate every later MFU: measured again
+  // next time instead of cached.
+  if (!file.empty() && p.plausible) {
     try {
       fs::create_directories(file.parent_path());
       cache[key] = p.gflops;

@@ -13,6 +13,9 @@ struct FmaPeak {
   std::string target;  // simd::name of the target measured
   std::string cpu;     // simd::cpu_model()
   bool cached = false; // read from the per-machine cache instead of measured now
+  // All threads together reached at least 0.9 × threads × one thread's rate (only such a
+  // measurement is cached).
+  bool plausible = true;
 };
 
 // Measures now (about 0.3 s): best of several short runs on `threads` threads.

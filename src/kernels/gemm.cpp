@@ -386,16 +386,32 @@ void run(const Problem& p, int threads) {
   }
 }
 
+// A K longer than kMaxK runs as consecutive slices of K, each continuing the chains the previous
+// one left in C, so packed B stays at most kMaxPackedB floats with column blocks at least 8 panels
+// wide however long K is (a weight gradient over many tokens).
+constexpr int64_t kMaxK = kMaxPackedB / (8 * kNr);
+
+void run_sliced(const Problem& p, int threads) {
+  for (int64_t k0 = 0; k0 < p.K; k0 += kMaxK) {
+    Problem q = p;
+    q.K = std::min(kMaxK, p.K - k0);
+    q.accumulate = p.accumulate || k0 > 0;
+    q.A = p.layout == Layout::TN ? p.A + k0 * p.lda : p.A + k0;
+    q.B = p.layout == Layout::NT ? p.B + k0 : p.B + k0 * p.ldb;
+    run(q, threads);
+  }
+}
+
 #else  // no hardware FMA: the contract spelled out
 
-void run(const Problem& p, int threads) {
+void run_sliced(const Problem& p, int threads) {
   if (threads <= 1) return exact_scalar(p, {0, p.M, 0, p.N});
   parallel_for_dynamic(0, p.M, [&](int64_t i) { exact_scalar(p, {i, i + 1, 0, p.N}); });
 }
 
 #endif
 
-void Gemm(const Problem& p, int threads) { run(p, threads); }
+void Gemm(const Problem& p, int threads) { run_sliced(p, threads); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace moe

@@ -46,14 +46,19 @@ HWY_INLINE void store(V v, float* p, hn::Mask<D> m, bool tail) {
     hn::StoreU(v, d, p);
 }
 
-// a·b + c rounded once, on every target.
+// a·b + c rounded once, on every target: targets without a hardware FMA (the scalar fallback,
+// or Highway's emulated 128-bit target where a compiler makes it the fallback) go lane by lane
+// through std::fma.
 HWY_INLINE V fma(V a, V b, V c) {
 #if HWY_NATIVE_FMA
   return hn::MulAdd(a, b, c);
 #else
-  static_assert(HWY_TARGET == HWY_SCALAR, "only FMA targets and the scalar one are dispatched");
   const D d;
-  return hn::Set(d, std::fma(hn::GetLane(a), hn::GetLane(b), hn::GetLane(c)));
+  constexpr size_t kMax = hn::MaxLanes(D());
+  alignas(64) float la[kMax], lb[kMax], lc[kMax];
+  hn::Store(a, d, la), hn::Store(b, d, lb), hn::Store(c, d, lc);
+  for (size_t i = 0; i < hn::Lanes(d); ++i) la[i] = std::fma(la[i], lb[i], lc[i]);
+  return hn::Load(d, la);
 #endif
 }
 
