@@ -55,10 +55,13 @@ TEST(Model, BitwiseIdenticalLossAndGradientsForOneAndTwoThreads) {
 
 TEST(Model, TrainingStepsAreBitwiseTheSameOnEverySimdTarget) {
   // Loss, every gradient and the weights after two AdamW steps, on each target this CPU runs
-  // (AVX-512, AVX2, scalar): the matmuls are FMA chains, the row kernels lane-wise with fixed
-  // 16-lane sums, so nothing may differ.
-  auto run = [] {
-    DeepSeekModel model(debug_config());
+  // (AVX-512, AVX2, scalar), with fp32 and with frozen MXFP4 experts: the matmuls are FMA chains
+  // or fixed 16-lane sums, the row kernels lane-wise with fixed 16-lane sums, so nothing may
+  // differ.
+  auto run_with = [](const std::string& experts) {
+    ModelConfig cfg = debug_config();
+    cfg.expert_format = experts;  // fp32 (trained) or mxfp4 (frozen, packed)
+    DeepSeekModel model(cfg);
     model.init_weights(11);
     model.allocate_grads();
     AdamW opt(model.trainable_params(), AdamWConfig{});
@@ -80,7 +83,8 @@ TEST(Model, TrainingStepsAreBitwiseTheSameOnEverySimdTarget) {
     for (Param* p : model.trainable_params()) bits.insert(bits.end(), p->w(), p->w() + p->value.numel());
     return bits;
   };
-  expect_same_bits_on_every_target(run);
+  expect_same_bits_on_every_target([&] { return run_with("fp32"); });
+  expect_same_bits_on_every_target([&] { return run_with("mxfp4"); });
 }
 
 TEST(Model, EveryPassReleasesActivationsAndRouting) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/simd.h"
+#include "kernels/gemm.h"
 #include "kernels/mxfp4.h"
 #include "kernels/mxfp4_gemm.h"
 #include "test_util.h"
@@ -331,10 +332,7 @@ void check_nt(const Mxfp4Matrix& w, int64_t m, int64_t ldx, int64_t ldy, bool ac
       want[i * w.rows + r] = s;
       got[i * w.rows + r] = y[i * ldy + r];
     }
-  // The scalar target sums each row in one lane (error ~ sqrt(cols)·2^-24), vector targets in
-  // 8 or 16 lanes.
-  const double tol = simd::current() == simd::Target::Scalar ? 5e-6 : 1e-6;
-  EXPECT_LT(rel_error(got.data(), want.data(), m * w.rows), tol);
+  EXPECT_LT(rel_error(got.data(), want.data(), m * w.rows), 1e-6);
   for (int64_t i = 0; i < m; ++i)
     for (int64_t r = w.rows; r < ldy; ++r) ASSERT_EQ(y[i * ldy + r], y0[i * ldy + r]);
 }
@@ -505,6 +503,81 @@ TEST(Mxfp4Gemm, NanScalePropagates) {
   for (int r = 0; r < 4; ++r) EXPECT_EQ(std::isnan(y[r]), r == 2) << r;
   mxfp4_gemm_nn(1, dy.data(), 4, pm.view(), dx.data(), 64, false);
   for (int c = 0; c < 64; ++c) EXPECT_EQ(std::isnan(dx[c]), c >= 32) << c;
+}
+
+// The kernels' arithmetic spelled out (mxfp4_gemm.h), for bitwise comparison.
+// nt: per chunk of 1,024 columns, 16 lanes; lane l adds, block by block, x·w of elements 2l and
+// 2l + 1 of the block (fused multiply-adds); the lanes are summed by the adjacent-pair tree;
+// y = the first chunk's sum (or y + it when accumulating), + each later one.
+std::vector<float> nt_contract(const Mxfp4Matrix& w, int64_t m, const float* x, int64_t ldx,
+                               std::vector<float> y, int64_t ldy, bool accumulate) {
+  const std::vector<float> W = dequantize(w);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t r = 0; r < w.rows; ++r)
+      for (int64_t c0 = 0; c0 < w.cols; c0 += 1024) {
+        float lanes[16] = {};
+        for (int64_t b = c0; b < std::min(w.cols, c0 + 1024); b += 32)
+          for (int l = 0; l < 16; ++l)
+            for (int e = 0; e < 2; ++e) {
+              const int64_t c = b + 2 * l + e;
+              lanes[l] = std::fma(x[i * ldx + c], W[r * w.cols + c], lanes[l]);
+            }
+        for (int width = 16; width > 1; width /= 2)
+          for (int j = 0; j < width / 2; ++j) lanes[j] = lanes[2 * j] + lanes[2 * j + 1];
+        float& out = y[i * ldy + r];
+        out = c0 == 0 && !accumulate ? lanes[0] : out + lanes[0];
+      }
+  return y;
+}
+
+TEST(Mxfp4Gemm, NtIsItsSpelledOutArithmeticOnEveryTarget) {
+  Rng rng(29);
+  for_each_simd_target([&](simd::Target) {
+    for (int64_t m : {1, 2, 3, 8, 9, 40})
+      for (int64_t cols : {32, 320, 1088, 2080})
+        for (bool acc : {false, true}) {
+          const PackedMatrix pm(13, cols, rng);
+          const std::vector<float> x = random_floats(m * (cols + 3), rng), y0 = random_floats(m * 15, rng);
+          std::vector<float> y = y0;
+          mxfp4_gemm_nt(m, x.data(), cols + 3, pm.view(), y.data(), 15, acc);
+          const std::vector<float> want = nt_contract(pm.view(), m, x.data(), cols + 3, y0, 15, acc);
+          ASSERT_EQ(std::memcmp(y.data(), want.data(), y.size() * 4), 0)
+              << "m=" << m << " cols=" << cols << " acc=" << acc;
+        }
+  });
+}
+
+TEST(Mxfp4Gemm, NnIsTheFp32GemmOnTheDecodedWeightsOnEveryTarget) {
+  // dx = dy·W is the fp32 gemm_nn's chain over W's rows in order, on the dequantized values.
+  Rng rng(30);
+  for_each_simd_target([&](simd::Target) {
+    for (int64_t m : {1, 2, 5, 8, 9, 40})
+      for (int64_t rows : {1, 17, 300})
+        for (bool acc : {false, true}) {
+          const PackedMatrix pm(rows, 352, rng);
+          const std::vector<float> W = dequantize(pm.view());
+          const std::vector<float> dy = random_floats(m * rows, rng), dx0 = random_floats(m * 360, rng);
+          std::vector<float> got = dx0, want = dx0;
+          mxfp4_gemm_nn(m, dy.data(), rows, pm.view(), got.data(), 360, acc);
+          gemm_nn_serial(m, 352, rows, dy.data(), rows, W.data(), 352, want.data(), 360, acc);
+          ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0)
+              << "m=" << m << " rows=" << rows << " acc=" << acc;
+        }
+  });
+}
+
+TEST(Mxfp4Gemm, SameBitsOnEveryTarget) {
+  Rng rng(31);
+  const PackedMatrix pm(70, 1088, rng);
+  const std::vector<float> x = random_floats(50 * 1088, rng), dy = random_floats(50 * 70, rng);
+  for (int64_t m : {1, 2, 7, 50})
+    expect_same_bits_on_every_target([&] {
+      std::vector<float> y(m * 70), dx(m * 1088);
+      mxfp4_gemm_nt(m, x.data(), 1088, pm.view(), y.data(), 70, false);
+      mxfp4_gemm_nn(m, dy.data(), 70, pm.view(), dx.data(), 1088, false);
+      y.insert(y.end(), dx.begin(), dx.end());
+      return y;
+    });
 }
 
 // Issue 9's contract for every matmul entry point, on every target: a row computed alone equals

@@ -14,16 +14,20 @@
 //   y = x·Wᵀ we permute x the same way once per call (LoadInterleaved2), and in dx = dy·W the
 //   outputs come out split and are re-interleaved once per stored tile (StoreInterleaved2).
 //
-// * One arithmetic for every m. For a given target, each output element is computed by the
-//   same sequence of fp32 operations whatever m, the blocking or the path (fused or buffered):
-//     nt: per contraction chunk of kKc columns, one vector accumulator per (x row, W row)
-//         gets MulAdd(x_k, w_k) over the split-order vectors k in order, then its lanes are
-//         summed by a fixed tree (adjacent lanes first), then y = sum (first chunk without
-//         accumulate) or y += sum;
-//     nn: per contraction chunk of kKr rows of W, a vector accumulator per (dy row, 16-column
-//         group) gets MulAdd(dy[i][r], w[r]) for r in order, then dx = acc or dx += acc.
-//   So results depend on the shapes only, and a call on a subset of the x / dy rows or of the
-//   W rows (nt) / column blocks (nn) reproduces the bits of those outputs in the full call.
+// * One arithmetic for every m and every SIMD target. Each output element is computed by the
+//   same sequence of fp32 operations whatever m, the blocking, the path (fused or buffered) or
+//   the vector width:
+//     nt: per contraction chunk of kKc columns, 16 virtual lanes per (x row, W row); lane l
+//         adds, block by block, x·w of the block's elements 2l and 2l+1 (fused multiply-adds);
+//         the lanes are summed by the adjacent-pair tree; y = sum (first chunk without
+//         accumulate) or y += sum. The 16 lanes are one AVX-512 vector, two AVX2 vectors (one
+//         per 8-byte group of the block) or 16 scalars;
+//     nn: the fp32 gemm_nn's arithmetic on the decoded weights: each dx element is one FMA chain
+//         over W's rows in order, from +0 or from dx when accumulating (chunks of kKr rows hand
+//         the running value on through dx).
+//   So results depend on the shapes only, equal on AVX-512, AVX2 and scalar, and a call on a
+//   subset of the x / dy rows or of the W rows (nt) / column blocks (nn) reproduces the bits of
+//   those outputs in the full call. tests/test_mxfp4.cpp spells both out and compares bitwise.
 //
 // * Two paths with that arithmetic. Small m (<= 8 rows): "fused" tiles decode each W block in
 //   registers and use it at once against all m rows — one pass over the packed bytes, which
@@ -120,6 +124,20 @@ using V = hn::Vec<D>;
 constexpr int64_t kN = static_cast<int64_t>(hn::MaxLanes(D()));
 constexpr int64_t kGroups = 16 / kN;  // groups of kN bytes per block
 constexpr int64_t kVecsPerBlock = 32 / kN;
+
+// a·b + c rounded once on every target (the scalar fallback through std::fma), so every target
+// runs the same arithmetic.
+HWY_INLINE V fma(V a, V b, V c) {
+#if HWY_NATIVE_FMA
+  return hn::MulAdd(a, b, c);
+#else
+  const D d;
+  alignas(64) float la[kN], lb[kN], lc[kN];
+  hn::Store(a, d, la), hn::Store(b, d, lb), hn::Store(c, d, lc);
+  for (int64_t i = 0; i < kN; ++i) la[i] = std::fma(la[i], lb[i], lc[i]);
+  return hn::Load(d, la);
+#endif
+}
 
 // Decodes the groups of one block (see the top of the file): group q (kN bytes at bytes +
 // q·kN) gives E = its low nibbles (even elements), O = its high nibbles (odd elements).
@@ -229,14 +247,41 @@ HWY_INLINE void reduce_lanes(const V* v, float* out) {
 // next_wp / next_ws: the rows of the next tile, prefetched a cache line at a time along the
 // way. W rows are short (a few hundred bytes), so the hardware streamers barely start on one
 // before it ends; without this the small-m kernels waited on DRAM latency instead of bandwidth.
+// The 16 virtual lanes of an output are kGroups vectors of kN lanes (one per kN-byte group of a
+// block), with independent chains. Each group's lane sums go to parts[(a·B+b)·kGroups + q];
+// reduce_groups then finishes the adjacent-pair tree over the groups. The buffered tile runs
+// one group at a time over the chunk (A·B accumulators in registers), the fused tile all groups
+// in one pass over the packed bytes.
+template <int Count>
+HWY_INLINE void reduce_groups(float* parts, float* out) {
+  for (int c = 0; c < Count; ++c) {
+    float* p = parts + c * kGroups;
+    for (int64_t width = kGroups; width > 1; width /= 2)
+      for (int64_t j = 0; j < width / 2; ++j) p[j] = p[2 * j] + p[2 * j + 1];
+    out[c] = p[0];
+  }
+}
+
+template <int Count>
+HWY_INLINE void keep_group(const V* acc, int64_t q, float* parts) {
+  float sums[Count];
+  reduce_lanes<Count>(acc, sums);
+  for (int c = 0; c < Count; ++c) parts[c * kGroups + q] = sums[c];
+}
+
 template <int A, int B>
 HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const* wp,
                               const uint8_t* const* ws, const uint8_t* const* next_wp,
                               const uint8_t* const* next_ws, int64_t cc, float* out) {
   const D d;
-  V acc[A * B];
+  // One pass over the packed bytes (what the memory-bound regime needs), so all kGroups
+  // accumulators of each output are live at once: tiles are chosen to fit them in registers.
+  V acc[A * B * kGroups];
 #pragma GCC unroll 32
-  for (int i = 0; i < A * B; ++i) acc[i] = hn::Zero(d);
+  for (int i = 0; i < A * B * static_cast<int>(kGroups); ++i) acc[i] = hn::Zero(d);
+  auto at = [](int a, int b, int64_t q) {
+    return (a * B + b) * static_cast<int>(kGroups) + static_cast<int>(q);
+  };
 #pragma GCC unroll 16
   for (int b = 0; b < B; ++b) hwy::Prefetch(next_ws[b]);
   for (int64_t k = 0; k < cc / kBlock; ++k) {
@@ -244,6 +289,7 @@ HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const*
 #pragma GCC unroll 16
       for (int b = 0; b < B; ++b) hwy::Prefetch(next_wp[b] + k * 16);
     }
+#pragma GCC unroll 16
     for (int64_t q = 0; q < kGroups; ++q) {
       const int64_t col = k * kBlock + 2 * q * kN;
       if constexpr (A < B) {
@@ -260,8 +306,8 @@ HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const*
           Decoder(ws[b][k]).group(wp[b] + k * 16 + q * kN, e, o);
 #pragma GCC unroll 8
           for (int a = 0; a < A; ++a) {
-            acc[a * B + b] = hn::MulAdd(xe[a], e, acc[a * B + b]);
-            acc[a * B + b] = hn::MulAdd(xo[a], o, acc[a * B + b]);
+            acc[at(a, b, q)] = fma(xe[a], e, acc[at(a, b, q)]);
+            acc[at(a, b, q)] = fma(xo[a], o, acc[at(a, b, q)]);
           }
         }
       } else {
@@ -274,14 +320,16 @@ HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const*
           const V xe = hn::Load(d, xp + a * xs + col), xo = hn::Load(d, xp + a * xs + col + kN);
 #pragma GCC unroll 16
           for (int b = 0; b < B; ++b) {
-            acc[a * B + b] = hn::MulAdd(xe, we[b], acc[a * B + b]);
-            acc[a * B + b] = hn::MulAdd(xo, wo[b], acc[a * B + b]);
+            acc[at(a, b, q)] = fma(xe, we[b], acc[at(a, b, q)]);
+            acc[at(a, b, q)] = fma(xo, wo[b], acc[at(a, b, q)]);
           }
         }
       }
     }
   }
-  reduce_lanes<A * B>(acc, out);
+  float parts[A * B * kGroups];
+  reduce_lanes<A * B * static_cast<int>(kGroups)>(acc, parts);
+  reduce_groups<A * B>(parts, out);
 }
 
 // The same products with W rows already decoded (split order, stride wsd).
@@ -289,21 +337,28 @@ template <int A, int B>
 HWY_INLINE void nt_tile(const float* xp, int64_t xs, const float* wd, int64_t wsd, int64_t cc,
                         float* out) {
   const D d;
-  V acc[A * B];
+  float parts[A * B * kGroups];
+  for (int64_t q = 0; q < kGroups; ++q) {
+    V acc[A * B];
 #pragma GCC unroll 32
-  for (int i = 0; i < A * B; ++i) acc[i] = hn::Zero(d);
-  for (int64_t col = 0; col < cc; col += kN) {
-    V xv[A];
+    for (int i = 0; i < A * B; ++i) acc[i] = hn::Zero(d);
+    for (int64_t blk = 0; blk < cc; blk += kBlock)
+#pragma GCC unroll 2
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t col = blk + (2 * q + half) * kN;
+        V xv[A];
 #pragma GCC unroll 8
-    for (int a = 0; a < A; ++a) xv[a] = hn::Load(d, xp + a * xs + col);
+        for (int a = 0; a < A; ++a) xv[a] = hn::Load(d, xp + a * xs + col);
 #pragma GCC unroll 16
-    for (int b = 0; b < B; ++b) {
-      const V w = hn::Load(d, wd + b * wsd + col);
+        for (int b = 0; b < B; ++b) {
+          const V w = hn::Load(d, wd + b * wsd + col);
 #pragma GCC unroll 8
-      for (int a = 0; a < A; ++a) acc[a * B + b] = hn::MulAdd(xv[a], w, acc[a * B + b]);
-    }
+          for (int a = 0; a < A; ++a) acc[a * B + b] = fma(xv[a], w, acc[a * B + b]);
+        }
+      }
+    keep_group<A * B>(acc, q, parts);
   }
-  reduce_lanes<A * B>(acc, out);
+  reduce_groups<A * B>(parts, out);
 }
 
 // x rows [i0, i0+mi) × columns [c0, c0+cc) into the split-order panel, rows padded with zeros
@@ -396,13 +451,14 @@ void gemm_nt_dispatch(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix&
       default: return run_nt<4, 6, false>(m, x, ldx, w, y, ldy, accumulate);
     }
   } else if constexpr (N == 8) {
+    // The fused tiles hold two accumulators per output (its 16 virtual lanes).
     switch (m) {
-      case 1: return run_nt<1, 6, true>(m, x, ldx, w, y, ldy, accumulate);
-      case 2: return run_nt<2, 3, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 1: return run_nt<1, 4, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 2: return run_nt<2, 2, true>(m, x, ldx, w, y, ldy, accumulate);
       default: return run_nt<2, 4, false>(m, x, ldx, w, y, ldy, accumulate);
     }
   } else {
-    return run_nt<2, 2, false>(m, x, ldx, w, y, ldy, accumulate);
+    return run_nt<1, 1, false>(m, x, ldx, w, y, ldy, accumulate);
   }
 }
 
@@ -414,20 +470,31 @@ void GemmNT(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float*
 // ------------------------------------------------------------------------------------------
 // dx = dy·W
 
-// Writes the split-order accumulators of one 32-column block of one dx row in natural order.
-HWY_INLINE void store_nn_block(const V* acc, float* dst, bool overwrite) {
+// Moves the A × NB-block accumulators of a tile (split order) from or to dx (row a, block j at
+// dxr[a] + 32j). kLoad: the running chains stored in dx, or +0 to start them (and for blocks past
+// the real na × nbv); else the real blocks are written back in natural order. Loops run over the
+// constant tile shape so every index is a constant and the accumulators stay in registers.
+template <int A, int NB, bool kLoad>
+HWY_INLINE void nn_tile_io(V* acc, float* const* dxr, int64_t na, int64_t nbv, bool start) {
   const D d;
-  for (int64_t q = 0; q < kGroups; ++q) {
-    V e = acc[2 * q], o = acc[2 * q + 1];
-    float* p = dst + 2 * q * kN;
-    if (!overwrite) {
-      V pe, po;
-      hn::LoadInterleaved2(d, p, pe, po);
-      e = hn::Add(pe, e);
-      o = hn::Add(po, o);
-    }
-    hn::StoreInterleaved2(e, o, d, p);
-  }
+  constexpr int B = NB * static_cast<int>(kVecsPerBlock);
+#pragma GCC unroll 8
+  for (int a = 0; a < A; ++a)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 16
+      for (int q = 0; q < static_cast<int>(kGroups); ++q) {
+        V& e = acc[a * B + j * static_cast<int>(kVecsPerBlock) + 2 * q];
+        V& o = acc[a * B + j * static_cast<int>(kVecsPerBlock) + 2 * q + 1];
+        const bool real = a < na && j < nbv;
+        float* p = real ? dxr[a] + j * kBlock + 2 * q * kN : nullptr;
+        if constexpr (kLoad) {
+          if (start || !real) e = o = hn::Zero(d);
+          else hn::LoadInterleaved2(d, p, e, o);
+        } else if (real) {
+          hn::StoreInterleaved2(e, o, d, p);
+        }
+      }
 }
 
 // A dy rows against NB 32-column blocks of W over rc rows of W, decoding each W block on the
@@ -437,12 +504,11 @@ template <int A, int NB>
 HWY_INLINE void nn_fused_tile(const float* const* dyr, const uint8_t* const* wp,
                               const uint8_t* const* ws, const int64_t* wstride,
                               const int64_t* sstride, int64_t rc, int64_t rows_left,
-                              float* const* dxr, int64_t nbv, int64_t na, bool overwrite) {
+                              float* const* dxr, int64_t nbv, int64_t na, bool start) {
   const D d;
   constexpr int B = NB * static_cast<int>(kVecsPerBlock);
   V acc[A * B];
-#pragma GCC unroll 32
-  for (int i = 0; i < A * B; ++i) acc[i] = hn::Zero(d);
+  nn_tile_io<A, NB, true>(acc, dxr, na, nbv, start);
   for (int64_t r = 0; r < rc; ++r) {
     // W is walked down a column strip, a short piece of each row: prefetch the strip about
     // 2 KiB ahead (see nt_fused_tile), within this call's rows.
@@ -466,25 +532,23 @@ HWY_INLINE void nn_fused_tile(const float* const* dyr, const uint8_t* const* wp,
         const int v = j * static_cast<int>(kVecsPerBlock) + 2 * q;
 #pragma GCC unroll 8
         for (int a = 0; a < A; ++a) {
-          acc[a * B + v] = hn::MulAdd(bc[a], e, acc[a * B + v]);
-          acc[a * B + v + 1] = hn::MulAdd(bc[a], o, acc[a * B + v + 1]);
+          acc[a * B + v] = fma(bc[a], e, acc[a * B + v]);
+          acc[a * B + v + 1] = fma(bc[a], o, acc[a * B + v + 1]);
         }
       }
     }
   }
-  for (int64_t a = 0; a < na; ++a)
-    for (int64_t j = 0; j < nbv; ++j)
-      store_nn_block(acc + a * B + j * kVecsPerBlock, dxr[a] + j * kBlock, overwrite);
+  nn_tile_io<A, NB, false>(acc, dxr, na, nbv, false);
 }
 
-// The same products with the W panel already decoded (rc rows × B vectors, split order).
-template <int A, int B>
+// The same products with the W panel already decoded (rc rows × NB blocks, split order).
+template <int A, int NB>
 HWY_INLINE void nn_tile(const float* const* dyr, const float* panel, int64_t rc,
-                        float* const* dxr, int64_t nbv, int64_t na, bool overwrite) {
+                        float* const* dxr, int64_t nbv, int64_t na, bool start) {
   const D d;
+  constexpr int B = NB * static_cast<int>(kVecsPerBlock);
   V acc[A * B];
-#pragma GCC unroll 32
-  for (int i = 0; i < A * B; ++i) acc[i] = hn::Zero(d);
+  nn_tile_io<A, NB, true>(acc, dxr, na, nbv, start);
   for (int64_t r = 0; r < rc; ++r) {
     V bc[A];
 #pragma GCC unroll 16
@@ -493,22 +557,19 @@ HWY_INLINE void nn_tile(const float* const* dyr, const float* panel, int64_t rc,
     for (int b = 0; b < B; ++b) {
       const V w = hn::Load(d, panel + (r * B + b) * kN);
 #pragma GCC unroll 16
-      for (int a = 0; a < A; ++a) acc[a * B + b] = hn::MulAdd(bc[a], w, acc[a * B + b]);
+      for (int a = 0; a < A; ++a) acc[a * B + b] = fma(bc[a], w, acc[a * B + b]);
     }
   }
-  for (int64_t a = 0; a < na; ++a)
-    for (int64_t j = 0; j < nbv; ++j)
-      store_nn_block(acc + a * B + j * kVecsPerBlock, dxr[a] + j * kBlock, overwrite);
+  nn_tile_io<A, NB, false>(acc, dxr, na, nbv, false);
 }
 
 template <int A, int NB, bool kFused>
 void run_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
             int64_t lddx, bool accumulate) {
-  constexpr int B = NB * static_cast<int>(kVecsPerBlock);
   float* panel = kFused ? nullptr : thread_scratch(0, kKr * NB * kBlock);
   for (int64_t r0 = 0; r0 < w.rows; r0 += kKr) {
     const int64_t rc = std::min(kKr, w.rows - r0);
-    const bool overwrite = r0 == 0 && !accumulate;
+    const bool start = r0 == 0 && !accumulate;  // else continue the chains stored in dx
     for (int64_t c0 = 0; c0 < w.cols; c0 += NB * kBlock) {
       const int64_t nbv = std::min<int64_t>(NB, (w.cols - c0) / kBlock);
       const uint8_t* wp[NB];
@@ -537,10 +598,9 @@ void run_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, floa
           dxr[a] = a < na ? dx + (i0 + a) * lddx + c0 : nullptr;
         }
         if constexpr (kFused)
-          nn_fused_tile<A, NB>(dyr, wp, ws, wstride, sstride, rc, w.rows - r0, dxr, nbv, na,
-                               overwrite);
+          nn_fused_tile<A, NB>(dyr, wp, ws, wstride, sstride, rc, w.rows - r0, dxr, nbv, na, start);
         else
-          nn_tile<A, B>(dyr, panel, rc, dxr, nbv, na, overwrite);
+          nn_tile<A, NB>(dyr, panel, rc, dxr, nbv, na, start);
       }
     }
   }

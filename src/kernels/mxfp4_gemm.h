@@ -18,7 +18,9 @@ struct Mxfp4Matrix {
 };
 
 // Both kernels run on the calling thread only and are deterministic: the result depends on the
-// shapes only, never on the thread count or on other calls running concurrently. Callers
+// shapes only, never on the thread count, the SIMD target or other calls running concurrently
+// (the arithmetic is spelled out at the top of mxfp4_gemm.cpp: nn is exactly gemm_nn on the
+// decoded weights, nt a fixed 16-lane sum per 1,024 columns). Callers
 // parallelise by calling them from inside their own parallel loops, one call per work item.
 // An empty contraction (cols == 0 for nt, rows == 0 for nn) with accumulate=false zeroes the
 // output, like gemm_*_serial.
