@@ -1,0 +1,127 @@
+// MXFP4 expert matmuls in the decode regime, against the machine's DRAM read bandwidth measured
+// in the same run. Experts of several layers (dim 1024, width 704, 64 experts, 73.5 MB of packed
+// weights per layer: far beyond the last-level cache) are cycled through as real decoding does:
+//  * routed: one token through its top-6 experts per layer (gate‖up then down, m = 1), a fresh
+//    random choice per token and layer;
+//  * all experts: one token per expert over every expert of a layer (m = 1 each).
+// The figure is packed bytes read per second (weights + scales) and its fraction of DRAM read
+// bandwidth (a plain streaming read of 1 GiB on all threads, best of 5). Threads: --threads;
+// SIMD target: MOE_SIMD.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fmt/format.h>
+#include <thread>
+#include <vector>
+
+#include "core/parallel.h"
+#include "core/rng.h"
+#include "core/simd.h"
+#include "kernels/fma_peak.h"
+#include "kernels/mxfp4_gemm.h"
+
+using namespace moe;
+
+namespace {
+
+constexpr int64_t kDim = 1024, kWidth = 704, kExperts = 64, kTopK = 6;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A packed matrix [rows, cols] with its scales, random codes and realistic scale bytes.
+struct Packed {
+  std::vector<uint8_t> bytes, scales;
+  int64_t rows = 0, cols = 0;
+  Packed(int64_t r, int64_t c, Rng& rng) : bytes(static_cast<size_t>(r * c / 2)), scales(static_cast<size_t>(r * c / 32)), rows(r), cols(c) {
+    for (auto& b : bytes) b = static_cast<uint8_t>(rng.next_u64());
+    for (auto& s : scales) s = static_cast<uint8_t>(118 + rng.next_u64() % 6);
+  }
+  Mxfp4Matrix view() const { return {bytes.data(), scales.data(), rows, cols, cols / 2, cols / 32}; }
+  int64_t nbytes() const { return static_cast<int64_t>(bytes.size() + scales.size()); }
+};
+
+struct Expert {
+  Packed gate_up, down;
+  Expert(Rng& rng) : gate_up(2 * kWidth, kDim, rng), down(kDim, kWidth, rng) {}
+};
+
+// Streaming read of `bytes` on `threads` threads: GB/s, best of 5.
+double dram_read_gbs(int threads) {
+  const size_t bytes = size_t{1} << 30;
+  std::vector<uint64_t> buf(bytes / 8, 1);
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    std::vector<uint64_t> sums(static_cast<size_t>(threads));
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t)
+      ts.emplace_back([&, t] {
+        const size_t n = buf.size() / static_cast<size_t>(threads), lo = n * static_cast<size_t>(t);
+        uint64_t a = 0, b = 0, c = 0, d = 0;
+        for (size_t i = lo; i < lo + n; i += 4) a += buf[i], b += buf[i + 1], c += buf[i + 2], d += buf[i + 3];
+        sums[static_cast<size_t>(t)] = a + b + c + d;
+      });
+    for (auto& t : ts) t.join();
+    best = std::max(best, static_cast<double>(bytes) / seconds_since(t0) / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"MXFP4 expert matmuls at decode (m = 1) against DRAM read bandwidth"};
+  int threads = available_cpus(), layers = 3, tokens = 40;
+  app.add_option("--threads", threads);
+  app.add_option("--layers", layers, "layers of experts cycled through (73.5 MB each)");
+  app.add_option("--tokens", tokens, "tokens timed per case");
+  CLI11_PARSE(app, argc, argv);
+  set_num_threads(threads);
+  Rng rng(1);
+  std::vector<std::vector<Expert>> experts(static_cast<size_t>(layers));
+  for (auto& l : experts)
+    for (int64_t e = 0; e < kExperts; ++e) l.emplace_back(rng);
+  const int64_t per_expert = experts[0][0].gate_up.nbytes() + experts[0][0].down.nbytes();
+  const double dram = dram_read_gbs(threads);
+  fmt::print("{}, {} threads, {} ({}), {} layers x {} experts = {:.0f} MB packed; DRAM read {:.1f} GB/s\n\n",
+             simd::cpu_model(), threads, simd::name(simd::current()), simd::description(simd::current()), layers,
+             kExperts, static_cast<double>(layers * kExperts * per_expert) / 1e6, dram);
+
+  std::vector<float> x(kDim, 0.5f), h(2 * kWidth * kExperts), y(kDim * kExperts);
+  auto expert_forward = [&](const Expert& ex, int64_t slot) {
+    float* hs = h.data() + slot * 2 * kWidth;
+    mxfp4_gemm_nt(1, x.data(), kDim, ex.gate_up.view(), hs, 2 * kWidth, false);
+    mxfp4_gemm_nt(1, hs, kWidth, ex.down.view(), y.data() + slot * kDim, kDim, false);
+  };
+  fmt::print("| case | packed GB/s | of DRAM read | tokens/s |\n|---|---|---|---|\n");
+  for (const bool routed : {true, false}) {
+    std::vector<int64_t> pick(kTopK);
+    int64_t bytes = 0;
+    auto token = [&](int64_t t) {
+      for (int l = 0; l < layers; ++l) {
+        const auto& layer = experts[static_cast<size_t>((t + l) % layers)];
+        if (routed) {
+          for (int64_t j = 0; j < kTopK; ++j) pick[j] = static_cast<int64_t>(rng.next_u64() % kExperts);
+          parallel_for_dynamic(0, kTopK, [&](int64_t j) { expert_forward(layer[pick[j]], j); });
+          bytes += kTopK * per_expert;
+        } else {
+          parallel_for_dynamic(0, kExperts, [&](int64_t e) { expert_forward(layer[e], e); });
+          bytes += kExperts * per_expert;
+        }
+      }
+    };
+    token(0);  // warm-up
+    bytes = 0;
+    const int n = routed ? tokens * 10 : tokens;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int t = 1; t <= n; ++t) token(t);
+    const double s = seconds_since(t0), gbs = static_cast<double>(bytes) / s / 1e9;
+    fmt::print("| {} | {:.1f} | {:.2f} | {:.0f} |\n", routed ? "1 token, top-6 of 64 experts, per layer" : "1 token per expert, all 64 experts",
+               gbs, gbs / dram, n / s);
+  }
+  return 0;
+}
