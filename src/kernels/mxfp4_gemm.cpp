@@ -431,7 +431,9 @@ void run_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float*
 }
 
 // Tile shapes (A x rows × B W rows) by target width: 16 lanes means AVX-512's 32 registers
-// (A·B accumulators plus operands must fit), 8 lanes AVX2's 16. Up to 8 rows (AVX-512) one
+// (A·B accumulators plus operands must fit), 8 lanes AVX2's 16. At one row the kernel is bound by
+// its decode, and 4 W rows per tile stream best (16 rows: 0.37 of DRAM read, 2–4 rows: 0.50–0.55;
+// bench_mxfp4_decode). Up to 8 rows (AVX-512) one
 // fused tile covers all of x, with B large enough for >= 8 independent FMA chains where m is
 // small; beyond that the buffered 4 × 6 tile (24 accumulators, 10 loads per 24 FMAs). The
 // shapes were picked by measurement (bench_mxfp4); none changes the arithmetic.
@@ -440,7 +442,7 @@ void gemm_nt_dispatch(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix&
                       int64_t ldy, bool accumulate) {
   if constexpr (N >= 16) {
     switch (m) {
-      case 1: return run_nt<1, 16, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 1: return run_nt<1, 4, true>(m, x, ldx, w, y, ldy, accumulate);
       case 2: return run_nt<2, 8, true>(m, x, ldx, w, y, ldy, accumulate);
       case 3: return run_nt<3, 5, true>(m, x, ldx, w, y, ldy, accumulate);
       case 4: return run_nt<4, 4, true>(m, x, ldx, w, y, ldy, accumulate);
