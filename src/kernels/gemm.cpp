@@ -18,14 +18,15 @@
 //   12 × 32 (24 accumulators), AVX2: 6 × 16 (12 accumulators).
 //
 // * Operands. B is packed once per column block into panels of kNr columns, k-major: a copy for
-//   nn/tn (B's rows are k), a transposition in registers for nt (B's rows are j). A is copied per kMr-row micro-panel so that the broadcasts walk one
-//   contiguous stream whatever A's row stride: in chunks of 16 k's per row for nt/nn, k-major
-//   for tn — a copy, never a transposition. The micro-panel (≤ 15 KiB) stays in L1 while the
-//   B panels stream from L2.
+//   nn/tn (B's rows are k), a transposition in registers for nt (B's rows are j). A is copied
+//   per kMr-row micro-panel so that the broadcasts walk one contiguous stream whatever A's row
+//   stride: in chunks of 16 k's per row for nt/nn, k-major for tn — a copy, never a
+//   transposition. The micro-panel (≤ 15 KiB) stays in L1 while the B panels stream from L2.
 //
-// * Threads. The C matrix is cut into tasks (column blocks first, then row blocks) by shape and
-//   thread count; each task packs what it touches into per-thread scratch. Any cut gives the
-//   same bits, so the cut is chosen for speed only.
+// * Threads. All threads pack a column block of B together into one shared buffer, then take
+//   tasks (row blocks, and column parts when rows alone are too few) dynamically, each packing
+//   its A panels into per-thread scratch. Any cut gives the same bits, so the cut is chosen for
+//   speed only.
 
 #include <algorithm>
 #include <array>
@@ -208,9 +209,9 @@ void pack_a_rows(const Problem& p, int64_t i0, int64_t pc, int64_t kc, float* ou
 // ------------------------------------------------------------------------------ micro-kernel
 
 // C[0..MR, 0..cols) (+)= Ap · Bp over kc, for one packed A micro-panel and one packed B panel
-// (rows of kNr floats). `load_c`: continue the chains stored
-// in C (a later K block, or accumulate); else start at +0. kFull: all kNr columns; else `cols`
-// of them, with masked loads and stores.
+// (rows of kNr floats). `load_c`: continue the chains stored in C (a later K block, or
+// accumulate); else start at +0. kFull: all kNr columns; else `cols` of them, with masked loads
+// and stores.
 template <int MR, bool kKMajorA, bool kFull>
 HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RESTRICT bp,
                                int64_t kc, float* c, int64_t ldc, bool load_c, int64_t cols) {

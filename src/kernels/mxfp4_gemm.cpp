@@ -112,6 +112,8 @@ inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; 
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
+#include "kernels/exact_fma-inl.h"
+
 HWY_BEFORE_NAMESPACE();
 namespace moe {
 namespace HWY_NAMESPACE {
@@ -124,20 +126,6 @@ using V = hn::Vec<D>;
 constexpr int64_t kN = static_cast<int64_t>(hn::MaxLanes(D()));
 constexpr int64_t kGroups = 16 / kN;  // groups of kN bytes per block
 constexpr int64_t kVecsPerBlock = 32 / kN;
-
-// a·b + c rounded once on every target (the scalar fallback through std::fma), so every target
-// runs the same arithmetic.
-HWY_INLINE V fma(V a, V b, V c) {
-#if HWY_NATIVE_FMA
-  return hn::MulAdd(a, b, c);
-#else
-  const D d;
-  alignas(64) float la[kN], lb[kN], lc[kN];
-  hn::Store(a, d, la), hn::Store(b, d, lb), hn::Store(c, d, lc);
-  for (int64_t i = 0; i < kN; ++i) la[i] = std::fma(la[i], lb[i], lc[i]);
-  return hn::Load(d, la);
-#endif
-}
 
 // Decodes the groups of one block (see the top of the file): group q (kN bytes at bytes +
 // q·kN) gives E = its low nibbles (even elements), O = its high nibbles (odd elements).
@@ -242,11 +230,6 @@ HWY_INLINE void reduce_lanes(const V* v, float* out) {
 // ------------------------------------------------------------------------------------------
 // y = x·Wᵀ
 
-// A x rows (split-order panel rows, stride xs) against B W rows over cc columns; the W rows are
-// decoded on the fly from packed bytes / scales (fused) — out[a·B + b] = lane-summed dot.
-// next_wp / next_ws: the rows of the next tile, prefetched a cache line at a time along the
-// way. W rows are short (a few hundred bytes), so the hardware streamers barely start on one
-// before it ends; without this the small-m kernels waited on DRAM latency instead of bandwidth.
 // The 16 virtual lanes of an output are kGroups vectors of kN lanes (one per kN-byte group of a
 // block), with independent chains. Each group's lane sums go to parts[(a·B+b)·kGroups + q];
 // reduce_groups then finishes the adjacent-pair tree over the groups. The buffered tile runs
@@ -269,6 +252,11 @@ HWY_INLINE void keep_group(const V* acc, int64_t q, float* parts) {
   for (int c = 0; c < Count; ++c) parts[c * kGroups + q] = sums[c];
 }
 
+// A x rows (split-order panel rows, stride xs) against B W rows over cc columns; the W rows are
+// decoded on the fly from packed bytes / scales (fused) — out[a·B + b] = lane-summed dot.
+// next_wp / next_ws: the rows of the next tile, prefetched a cache line at a time along the
+// way. W rows are short (a few hundred bytes), so the hardware streamers barely start on one
+// before it ends; without this the small-m kernels waited on DRAM latency instead of bandwidth.
 template <int A, int B>
 HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const* wp,
                               const uint8_t* const* ws, const uint8_t* const* next_wp,
@@ -306,8 +294,8 @@ HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const*
           Decoder(ws[b][k]).group(wp[b] + k * 16 + q * kN, e, o);
 #pragma GCC unroll 8
           for (int a = 0; a < A; ++a) {
-            acc[at(a, b, q)] = fma(xe[a], e, acc[at(a, b, q)]);
-            acc[at(a, b, q)] = fma(xo[a], o, acc[at(a, b, q)]);
+            acc[at(a, b, q)] = ExactMulAdd(xe[a], e, acc[at(a, b, q)]);
+            acc[at(a, b, q)] = ExactMulAdd(xo[a], o, acc[at(a, b, q)]);
           }
         }
       } else {
@@ -320,8 +308,8 @@ HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const*
           const V xe = hn::Load(d, xp + a * xs + col), xo = hn::Load(d, xp + a * xs + col + kN);
 #pragma GCC unroll 16
           for (int b = 0; b < B; ++b) {
-            acc[at(a, b, q)] = fma(xe, we[b], acc[at(a, b, q)]);
-            acc[at(a, b, q)] = fma(xo, wo[b], acc[at(a, b, q)]);
+            acc[at(a, b, q)] = ExactMulAdd(xe, we[b], acc[at(a, b, q)]);
+            acc[at(a, b, q)] = ExactMulAdd(xo, wo[b], acc[at(a, b, q)]);
           }
         }
       }
@@ -353,7 +341,7 @@ HWY_INLINE void nt_tile(const float* xp, int64_t xs, const float* wd, int64_t ws
         for (int b = 0; b < B; ++b) {
           const V w = hn::Load(d, wd + b * wsd + col);
 #pragma GCC unroll 8
-          for (int a = 0; a < A; ++a) acc[a * B + b] = fma(xv[a], w, acc[a * B + b]);
+          for (int a = 0; a < A; ++a) acc[a * B + b] = ExactMulAdd(xv[a], w, acc[a * B + b]);
         }
       }
     keep_group<A * B>(acc, q, parts);
@@ -431,12 +419,12 @@ void run_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float*
 }
 
 // Tile shapes (A x rows × B W rows) by target width: 16 lanes means AVX-512's 32 registers
-// (A·B accumulators plus operands must fit), 8 lanes AVX2's 16. At one row the kernel is bound by
-// its decode, and 4 W rows per tile stream best (16 rows: 0.37 of DRAM read, 2–4 rows: 0.50–0.55;
-// bench_mxfp4_decode). Up to 8 rows (AVX-512) one
-// fused tile covers all of x, with B large enough for >= 8 independent FMA chains where m is
-// small; beyond that the buffered 4 × 6 tile (24 accumulators, 10 loads per 24 FMAs). The
-// shapes were picked by measurement (bench_mxfp4); none changes the arithmetic.
+// (A·B·kGroups accumulators plus operands must fit), 8 lanes AVX2's 16. Up to 8 rows (AVX-512)
+// fused tiles decode each W block once per tile of x rows; at one row the kernel is bound by its
+// decode, and 4 W rows per tile stream best (16 rows: 0.37 of DRAM read, 2–4 rows: 0.50–0.55;
+// bench_mxfp4_decode). Beyond that the buffered 4 × 6 tile (24 accumulators, 10 loads per 24
+// FMAs). The shapes were picked by measurement (bench_mxfp4, bench_frozen_experts); none
+// changes the arithmetic.
 template <int64_t N>
 void gemm_nt_dispatch(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
                       int64_t ldy, bool accumulate) {
@@ -538,8 +526,8 @@ HWY_INLINE void nn_fused_tile(const float* const* dyr, const uint8_t* const* wp,
         const int v = j * static_cast<int>(kVecsPerBlock) + 2 * q;
 #pragma GCC unroll 8
         for (int a = 0; a < A; ++a) {
-          acc[a * B + v] = fma(bc[a], e, acc[a * B + v]);
-          acc[a * B + v + 1] = fma(bc[a], o, acc[a * B + v + 1]);
+          acc[a * B + v] = ExactMulAdd(bc[a], e, acc[a * B + v]);
+          acc[a * B + v + 1] = ExactMulAdd(bc[a], o, acc[a * B + v + 1]);
         }
       }
     }
@@ -563,7 +551,7 @@ HWY_INLINE void nn_tile(const float* const* dyr, const float* panel, int64_t rc,
     for (int b = 0; b < B; ++b) {
       const V w = hn::Load(d, panel + (r * B + b) * kN);
 #pragma GCC unroll 16
-      for (int a = 0; a < A; ++a) acc[a * B + b] = fma(bc[a], w, acc[a * B + b]);
+      for (int a = 0; a < A; ++a) acc[a * B + b] = ExactMulAdd(bc[a], w, acc[a * B + b]);
     }
   }
   nn_tile_io<A, NB, false>(acc, dxr, na, nbv, false);

@@ -16,6 +16,8 @@
 
 #include <hwy/highway.h>
 
+#include "kernels/exact_fma-inl.h"
+
 HWY_BEFORE_NAMESPACE();
 namespace moe {
 namespace HWY_NAMESPACE {
@@ -46,22 +48,6 @@ HWY_INLINE void store(V v, float* p, hn::Mask<D> m, bool tail) {
     hn::StoreU(v, d, p);
 }
 
-// a·b + c rounded once, on every target: targets without a hardware FMA (the scalar fallback,
-// or Highway's emulated 128-bit target where a compiler makes it the fallback) go lane by lane
-// through std::fma.
-HWY_INLINE V fma(V a, V b, V c) {
-#if HWY_NATIVE_FMA
-  return hn::MulAdd(a, b, c);
-#else
-  const D d;
-  constexpr size_t kMax = hn::MaxLanes(D());
-  alignas(64) float la[kMax], lb[kMax], lc[kMax];
-  hn::Store(a, d, la), hn::Store(b, d, lb), hn::Store(c, d, lc);
-  for (size_t i = 0; i < hn::Lanes(d); ++i) la[i] = std::fma(la[i], lb[i], lc[i]);
-  return hn::Load(d, la);
-#endif
-}
-
 // e^x with about 1 ulp error: x = n·ln2 + r (|r| ≤ ln2/2, n rounded to nearest even), e^r by a
 // degree-7 Taylor polynomial in Horner form, then 2^n applied as two exact power-of-two factors
 // so subnormal results round once. x ≥ 88.73 gives +inf, x ≤ -104 gives 0, NaN stays NaN.
@@ -70,16 +56,16 @@ HWY_INLINE V exp(V x_in) {
   const hn::RebindToSigned<D> di;
   const V x = hn::Min(hn::Max(x_in, hn::Set(d, -104.0f)), hn::Set(d, 89.0f));
   const V n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
-  V r = fma(n, hn::Set(d, -0.693145751953125f), x);  // ln2 high part: n·hi is exact
-  r = fma(n, hn::Set(d, -1.42860682030941723212e-6f), r);
+  V r = ExactMulAdd(n, hn::Set(d, -0.693145751953125f), x);  // ln2 high part: n·hi is exact
+  r = ExactMulAdd(n, hn::Set(d, -1.42860682030941723212e-6f), r);
   V p = hn::Set(d, 1.0f / 5040.0f);
-  p = fma(p, r, hn::Set(d, 1.0f / 720.0f));
-  p = fma(p, r, hn::Set(d, 1.0f / 120.0f));
-  p = fma(p, r, hn::Set(d, 1.0f / 24.0f));
-  p = fma(p, r, hn::Set(d, 1.0f / 6.0f));
-  p = fma(p, r, hn::Set(d, 0.5f));
-  p = fma(p, r, hn::Set(d, 1.0f));
-  p = fma(p, r, hn::Set(d, 1.0f));
+  p = ExactMulAdd(p, r, hn::Set(d, 1.0f / 720.0f));
+  p = ExactMulAdd(p, r, hn::Set(d, 1.0f / 120.0f));
+  p = ExactMulAdd(p, r, hn::Set(d, 1.0f / 24.0f));
+  p = ExactMulAdd(p, r, hn::Set(d, 1.0f / 6.0f));
+  p = ExactMulAdd(p, r, hn::Set(d, 0.5f));
+  p = ExactMulAdd(p, r, hn::Set(d, 1.0f));
+  p = ExactMulAdd(p, r, hn::Set(d, 1.0f));
   const auto ni = hn::ConvertTo(di, n);
   const auto n1 = hn::ShiftRight<1>(ni), n2 = hn::Sub(ni, n1);
   const auto bias = hn::Set(di, 127);
