@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
   app.add_option("--simd", simd_name, "SIMD target: auto, avx512, avx2, scalar (default: MOE_SIMD or auto)");
   CLI11_PARSE(app, argc, argv);
   set_num_threads(threads);
-  if (!simd_name.empty()) simd::select(simd::parse(simd_name, "--simd"));
+  simd::apply_option(simd_name, "--simd");
 
   ModelConfig cfg = resolve_model_config(config);
   if (vocab > 0) cfg.vocab_size = vocab;

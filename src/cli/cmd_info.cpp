@@ -59,9 +59,8 @@ void print_info(const std::string& spec) {
 // The machine the kernels run on: what MFU is measured against.
 void print_machine() {
   fmt::print("cpu              {}\n", simd::cpu_model());
-  std::string targets;
-  for (simd::Target t : simd::supported()) targets += (targets.empty() ? "" : ", ") + std::string(simd::name(t));
-  fmt::print("simd targets     {} (in use: {})\n", targets, simd::description(simd::current()));
+  fmt::print("simd targets     {} (in use: {})\n", simd::supported_names(),
+             simd::description(simd::current()));
   const FmaPeak peak = measure_fma_peak(num_threads());
   fmt::print("fp32 FMA peak    {:.1f} GFLOP/s on {} thread{} (measured now)\n", peak.gflops, peak.threads,
              peak.threads == 1 ? "" : "s");

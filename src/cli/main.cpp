@@ -38,10 +38,7 @@ int main(int argc, char** argv) {
                  "MOE_SIMD environment variable); results are identical on every target");
   app.parse_complete_callback([&] {
     moe::set_num_threads(threads);
-    if (simd_target.empty())
-      moe::simd::current();  // applies MOE_SIMD, or reports it is wrong before any work
-    else
-      moe::simd::select(moe::simd::parse(simd_target, "--simd"));
+    moe::simd::apply_option(simd_target, "--simd");
   });
   moe::cli::add_info_command(app);
   moe::cli::add_logits_command(app);

@@ -147,13 +147,11 @@ class Pool {
     if (n <= 0) return;
     std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
     // Nested loops, a second caller while a loop runs, one thread or one index: serially here.
-    if (t_in_loop || n == 1 || threads() == 1 || !lock.try_lock()) {
-      for (int64_t i = begin; i < end; ++i) fn(body, i);
-      return;
-    }
-    const int threads = threads_.load();
-    if (threads == 1) {  // resized while this caller waited for the lock
-      lock.unlock();
+    // The count is read again under the lock (a resize may have run meanwhile).
+    const bool shared = !t_in_loop && n > 1 && threads() > 1 && lock.try_lock();
+    const int threads = shared ? threads_.load() : 1;
+    if (threads == 1) {
+      if (lock.owns_lock()) lock.unlock();
       for (int64_t i = begin; i < end; ++i) fn(body, i);
       return;
     }

@@ -33,12 +33,6 @@ bool cpu_has(Target t) {
   return (real & hwy_bit(t)) != 0 && (HWY_TARGETS & hwy_bit(t)) != 0;
 }
 
-std::string supported_list() {
-  std::string s;
-  for (Target t : supported()) s += (s.empty() ? "" : ", ") + std::string(name(t));
-  return s;
-}
-
 std::atomic<int> g_current{-1};
 std::mutex g_select_mu;  // Highway's target mask is a plain global
 
@@ -78,10 +72,16 @@ std::vector<Target> supported() {
   return out;
 }
 
+std::string supported_names() {
+  std::string s;
+  for (Target t : supported()) s += (s.empty() ? "" : ", ") + std::string(name(t));
+  return s;
+}
+
 void select(Target t) {
   if (t == Target::Auto) t = supported().front();
   MOE_CHECK(cpu_has(t), "SIMD target '{}' is not supported by this CPU ({}); supported: {}",
-            name(t), cpu_model(), supported_list());
+            name(t), cpu_model(), supported_names());
   const std::lock_guard<std::mutex> lock(g_select_mu);
   hwy::SetSupportedTargetsForTest(hwy_bit(t));
   g_current.store(static_cast<int>(t));
@@ -101,6 +101,13 @@ Target current() {
     c = g_current.load();
   }
   return static_cast<Target>(c);
+}
+
+void apply_option(const std::string& value, std::string_view what) {
+  if (value.empty())
+    current();
+  else
+    select(parse(value, what));
 }
 
 std::string cpu_model() {

@@ -21,11 +21,16 @@ const char* description(Target t);
 
 // The targets this CPU runs, best first (scalar always included).
 std::vector<Target> supported();
+// Their names, e.g. "avx512, avx2, scalar".
+std::string supported_names();
 // Makes every later kernel call run on `t` (Auto: the best supported). An unsupported target is
 // an error naming the CPU's supported ones. Call before parallel work starts.
 void select(Target t);
 // The target kernels run on now. The first call applies MOE_SIMD from the environment.
 Target current();
+// A --simd option's value: empty keeps MOE_SIMD or auto (and reports a bad MOE_SIMD now),
+// anything else is parsed (errors name `what`) and selected.
+void apply_option(const std::string& value, std::string_view what);
 
 // The CPU model from /proc/cpuinfo (or "unknown CPU"), for reports.
 std::string cpu_model();

@@ -11,7 +11,6 @@
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -125,14 +124,20 @@ json read_cache(const fs::path& file) {
   }
 }
 
+// What a peak is of: this CPU, the target in use, `threads` threads (at least one).
+FmaPeak unmeasured(int threads) {
+  FmaPeak p;
+  p.threads = std::max(1, threads);
+  p.target = simd::name(simd::current());
+  p.cpu = simd::cpu_model();
+  return p;
+}
+
 }  // namespace
 
 FmaPeak measure_fma_peak(int threads) {
-  threads = std::max(1, threads);
-  FmaPeak p;
-  p.threads = threads;
-  p.target = simd::name(simd::current());
-  p.cpu = simd::cpu_model();
+  FmaPeak p = unmeasured(threads);
+  threads = p.threads;
   const bool scalar = simd::current() == simd::Target::Scalar;
   // ~15 ms per run on a 2-core AVX-512 machine; the first run also wakes the clocks up.
   const int64_t iters = scalar ? 2'000'000 : 4'000'000;
@@ -159,10 +164,7 @@ FmaPeak measure_fma_peak(int threads) {
 FmaPeak fma_peak(int threads) {
   static std::mutex mu;
   const std::lock_guard<std::mutex> lock(mu);
-  FmaPeak p;
-  p.threads = std::max(1, threads);
-  p.target = simd::name(simd::current());
-  p.cpu = simd::cpu_model();
+  FmaPeak p = unmeasured(threads);
   if (const char* v = std::getenv("MOE_FMA_PEAK"); v && *v) {
     char* end = nullptr;
     p.gflops = std::strtod(v, &end);
