@@ -35,8 +35,8 @@
 //   or a W panel (nn) into scratch once and reuse them across all x / dy row blocks from L1/L2,
 //   so the decode cost is amortised over the rows and the inner loop is pure FMAs.
 //
-// * Scratch, per thread (thread_local, 64-byte aligned, kept between calls), bounded
-//   independently of the matrix — larger operands are walked chunk by chunk:
+// * Scratch, per thread (kernels/kernel_scratch.h: kept between calls, counted as workspace),
+//   bounded independently of the matrix — larger operands are walked chunk by chunk:
 //     nt: the split-order x panel, at most kMc × kKc floats (256 KiB), plus on the buffered
 //         path B decoded W rows of kKc floats (B = 6 on AVX-512: 24 KiB);
 //     nn: on the buffered path a decoded W panel of kKr rows × 64 columns (64 KiB); the fused
@@ -46,10 +46,10 @@
 #include <array>
 #include <bit>
 #include <cstring>
-#include <vector>
 
 #include "core/error.h"
 #include "core/simd.h"
+#include "kernels/kernel_scratch.h"
 #include "kernels/mxfp4.h"
 
 #ifndef MOE_KERNELS_MXFP4_GEMM_SHARED
@@ -90,15 +90,6 @@ alignas(64) inline constexpr auto kUnitScales = [] {
   return t;
 }();
 alignas(64) inline constexpr float kZeroFloats[std::max(kKc, kKr)] = {};
-
-// Per-thread scratch slot (0 or 1), 64-byte aligned, grown on demand and kept for later calls.
-inline float* thread_scratch(int slot, int64_t floats) {
-  thread_local std::vector<float> buf[2];
-  std::vector<float>& b = buf[slot];
-  if (static_cast<int64_t>(b.size()) < floats + 16) b.resize(static_cast<size_t>(floats + 16));
-  const auto p = reinterpret_cast<uintptr_t>(b.data());
-  return reinterpret_cast<float*>((p + 63) & ~uintptr_t{63});
-}
 
 inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -382,8 +373,8 @@ HWY_INLINE void store_nt(const float* out, int64_t B, int64_t na, int64_t nb, fl
 template <int A, int B, bool kFused>
 void run_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y, int64_t ldy,
             bool accumulate) {
-  float* panel = thread_scratch(0, round_up(kMc, A) * kKc);
-  float* wdec = kFused ? nullptr : thread_scratch(1, B * kKc);
+  float* panel = kernel_scratch(0, round_up(kMc, A) * kKc);
+  float* wdec = kFused ? nullptr : kernel_scratch(1, B * kKc);
   float out[A * B];
   for (int64_t c0 = 0; c0 < w.cols; c0 += kKc) {
     const int64_t cc = std::min(kKc, w.cols - c0);
@@ -560,7 +551,7 @@ HWY_INLINE void nn_tile(const float* const* dyr, const float* panel, int64_t rc,
 template <int A, int NB, bool kFused>
 void run_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
             int64_t lddx, bool accumulate) {
-  float* panel = kFused ? nullptr : thread_scratch(0, kKr * NB * kBlock);
+  float* panel = kFused ? nullptr : kernel_scratch(0, kKr * NB * kBlock);
   for (int64_t r0 = 0; r0 < w.rows; r0 += kKr) {
     const int64_t rc = std::min(kKr, w.rows - r0);
     const bool start = r0 == 0 && !accumulate;  // else continue the chains stored in dx
