@@ -21,12 +21,14 @@
 #include "core/simd.h"
 #include "kernels/fma_peak.h"
 #include "kernels/mxfp4_gemm.h"
+#include "kernels/mxfp4_gemm_q8.h"
 
 using namespace moe;
 
 namespace {
 
-constexpr int64_t kDim = 1024, kWidth = 704, kExperts = 64, kTopK = 6;
+constexpr int64_t kDim = 1024, kWidth = 704, kTopK = 6;
+int64_t g_experts = 64;  // per layer (--experts)
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -79,38 +81,46 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads);
   app.add_option("--layers", layers, "layers of experts cycled through (73.5 MB each)");
   app.add_option("--tokens", tokens, "tokens timed per case");
+  app.add_option("--experts", g_experts,
+                 "experts per layer (64; e.g. --layers 1 --experts 6 keeps them cache-resident, "
+                 "to see the kernels' own speed)")
+      ->check(CLI::Range(int64_t{6}, int64_t{4096}));
   CLI11_PARSE(app, argc, argv);
   set_num_threads(threads);
   Rng rng(1);
   std::vector<std::vector<Expert>> experts(static_cast<size_t>(layers));
   for (auto& l : experts)
-    for (int64_t e = 0; e < kExperts; ++e) l.emplace_back(rng);
+    for (int64_t e = 0; e < g_experts; ++e) l.emplace_back(rng);
   const int64_t per_expert = experts[0][0].gate_up.nbytes() + experts[0][0].down.nbytes();
   const double dram = dram_read_gbs(threads);
   fmt::print("{}, {} threads, {} ({}), {} layers x {} experts = {:.0f} MB packed; DRAM read {:.1f} GB/s\n\n",
              simd::cpu_model(), threads, simd::name(simd::current()), simd::description(simd::current()), layers,
-             kExperts, static_cast<double>(layers * kExperts * per_expert) / 1e6, dram);
+             g_experts, static_cast<double>(layers * g_experts * per_expert) / 1e6, dram);
 
-  std::vector<float> x(kDim, 0.5f), h(2 * kWidth * kExperts), y(kDim * kExperts);
+  std::vector<float> x(kDim, 0.5f), h(2 * kWidth * g_experts), y(kDim * g_experts);
+  bool int8 = false;
   auto expert_forward = [&](const Expert& ex, int64_t slot) {
     float* hs = h.data() + slot * 2 * kWidth;
-    mxfp4_gemm_nt(1, x.data(), kDim, ex.gate_up.view(), hs, 2 * kWidth, false);
-    mxfp4_gemm_nt(1, hs, kWidth, ex.down.view(), y.data() + slot * kDim, kDim, false);
+    const auto nt = int8 ? mxfp4_gemm_nt_q8 : mxfp4_gemm_nt;
+    nt(1, x.data(), kDim, ex.gate_up.view(), hs, 2 * kWidth, false);
+    nt(1, hs, kWidth, ex.down.view(), y.data() + slot * kDim, kDim, false);
   };
-  fmt::print("| case | packed GB/s | of DRAM read | tokens/s |\n|---|---|---|---|\n");
+  fmt::print("| activations | case | packed GB/s | of DRAM read | tokens/s |\n|---|---|---|---|---|\n");
+  for (const bool q8 : {false, true})
   for (const bool routed : {true, false}) {
+    int8 = q8;
     std::vector<int64_t> pick(kTopK);
     int64_t bytes = 0;
     auto token = [&](int64_t t) {
       for (int l = 0; l < layers; ++l) {
         const auto& layer = experts[static_cast<size_t>((t + l) % layers)];
         if (routed) {
-          for (int64_t j = 0; j < kTopK; ++j) pick[j] = static_cast<int64_t>(rng.next_u64() % kExperts);
+          for (int64_t j = 0; j < kTopK; ++j) pick[j] = static_cast<int64_t>(rng.next_u64() % g_experts);
           parallel_for_dynamic(0, kTopK, [&](int64_t j) { expert_forward(layer[pick[j]], j); });
           bytes += kTopK * per_expert;
         } else {
-          parallel_for_dynamic(0, kExperts, [&](int64_t e) { expert_forward(layer[e], e); });
-          bytes += kExperts * per_expert;
+          parallel_for_dynamic(0, g_experts, [&](int64_t e) { expert_forward(layer[e], e); });
+          bytes += g_experts * per_expert;
         }
       }
     };
@@ -120,7 +130,8 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int t = 1; t <= n; ++t) token(t);
     const double s = seconds_since(t0), gbs = static_cast<double>(bytes) / s / 1e9;
-    fmt::print("| {} | {:.1f} | {:.2f} | {:.0f} |\n", routed ? "1 token, top-6 of 64 experts, per layer" : "1 token per expert, all 64 experts",
+    fmt::print("| {} | {} | {:.1f} | {:.2f} | {:.0f} |\n", q8 ? "int8 (inference)" : "fp32 (exact)", routed ? fmt::format("1 token, top-6 of {} experts, per layer", g_experts)
+                      : fmt::format("1 token per expert, all {} experts", g_experts),
                gbs, gbs / dram, n / s);
   }
   return 0;

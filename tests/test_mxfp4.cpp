@@ -13,6 +13,7 @@
 #include "kernels/gemm.h"
 #include "kernels/mxfp4.h"
 #include "kernels/mxfp4_gemm.h"
+#include "kernels/mxfp4_gemm_q8.h"
 #include "test_util.h"
 
 using namespace moe;
@@ -611,6 +612,171 @@ TEST(Mxfp4Gemm, EveryTarget) {
     }
   });
   EXPECT_GE(simd::supported().size(), 2u) << "scalar and at least one vector target";
+}
+
+// ---- int8-activation inference path (mxfp4_gemm_q8.h) ------------------------------------
+
+// Its arithmetic spelled out independently of the kernel (top of mxfp4_gemm_q8.cpp): x blocks
+// quantized with q = nearbyint(x · (127 / amax)), half-scale amax / 254; per 128-column span,
+// lane l sums 2·E2M1·q over the span's elements 8l..8l+7 exactly, then
+// acc_l = fma(float(sum), sxh · 2^(e − 127), acc_l); y = adjacent-pair tree (+ y).
+std::vector<float> q8_contract(const Mxfp4Matrix& w, int64_t m, const float* x, int64_t ldx,
+                               std::vector<float> y, int64_t ldy, bool accumulate) {
+  const int64_t blocks = w.cols / 32, spans = (w.cols + 127) / 128;
+  for (int64_t i = 0; i < m; ++i) {
+    std::vector<int> q(static_cast<size_t>(spans * 128), 0);
+    std::vector<float> sxh(static_cast<size_t>(spans * 4), 0.0f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      float amax = 0;
+      bool finite = true;
+      for (int64_t k = 32 * b; k < 32 * b + 32; ++k) {
+        finite = finite && std::isfinite(x[i * ldx + k]);
+        amax = std::max(amax, std::fabs(x[i * ldx + k]));
+      }
+      if (!finite) {
+        sxh[b] = std::nanf("");
+        continue;
+      }
+      if (amax == 0) continue;
+      sxh[b] = amax / 254.0f;
+      for (int64_t k = 32 * b; k < 32 * b + 32; ++k)
+        q[k] = static_cast<int>(std::nearbyint(x[i * ldx + k] * (127.0f / amax)));
+    }
+    for (int64_t r = 0; r < w.rows; ++r) {
+      float lanes[16] = {};
+      for (int64_t s = 0; s < spans; ++s)
+        for (int l = 0; l < 16; ++l) {
+          const int64_t blk = 4 * s + l / 4;
+          if (blk >= blocks) {
+            lanes[l] = std::fma(0.0f, 0.0f, lanes[l]);
+            continue;
+          }
+          int sum = 0;
+          for (int64_t k = 128 * s + 8 * l; k < 128 * s + 8 * l + 8; ++k) {
+            const uint8_t byte = w.packed[r * w.packed_stride + k / 2];
+            sum += static_cast<int>(2 * mx::e2m1_value(k % 2 ? byte >> 4 : byte & 15)) * q[k];
+          }
+          const float c = sxh[blk] * mx::e8m0_value(w.scales[r * w.scale_stride + blk]);
+          lanes[l] = std::fma(static_cast<float>(sum), c, lanes[l]);
+        }
+      for (int width = 16; width > 1; width /= 2)
+        for (int j = 0; j < width / 2; ++j) lanes[j] = lanes[2 * j] + lanes[2 * j + 1];
+      float& out = y[i * ldy + r];
+      out = accumulate ? out + lanes[0] : lanes[0];
+    }
+  }
+  return y;
+}
+
+TEST(Mxfp4GemmQ8, IsItsSpelledOutArithmeticOnEveryTarget) {
+  Rng rng(41);
+  for_each_simd_target([&](simd::Target) {
+    for (int64_t m : {1, 2, 3, 5, 70})
+      for (int64_t cols : {32, 96, 128, 160, 1088})
+        for (int64_t rows : {1, 6, 13})
+          for (bool acc : {false, true}) {
+            const PackedMatrix pm(rows, cols, rng);
+            const std::vector<float> x = random_floats(m * (cols + 5), rng),
+                                     y0 = random_floats(m * (rows + 2), rng);
+            std::vector<float> y = y0;
+            mxfp4_gemm_nt_q8(m, x.data(), cols + 5, pm.view(), y.data(), rows + 2, acc);
+            const std::vector<float> want =
+                q8_contract(pm.view(), m, x.data(), cols + 5, y0, rows + 2, acc);
+            ASSERT_EQ(std::memcmp(y.data(), want.data(), y.size() * 4), 0)
+                << "m=" << m << " cols=" << cols << " rows=" << rows << " acc=" << acc;
+          }
+  });
+}
+
+// The only error is the activation rounding: per output at most half a quantization step per
+// element, |y − y_exact| <= Σ_blocks (amax / 254) · Σ|w|, plus fp32 rounding of the sums.
+TEST(Mxfp4GemmQ8, ErrorIsBoundedByTheActivationRounding) {
+  Rng rng(42);
+  const PackedMatrix pm(40, 1024, rng);
+  const std::vector<float> W = dequantize(pm.view());
+  for (int64_t m : {1, 9}) {
+    std::vector<float> x = random_floats(m * 1024, rng);
+    for (int64_t k = 0; k < m * 1024; k += 97) x[k] *= 30;  // outliers widen some blocks' steps
+    std::vector<float> y(m * 40);
+    mxfp4_gemm_nt_q8(m, x.data(), 1024, pm.view(), y.data(), 40, false);
+    double worst = 0, typical = 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t r = 0; r < 40; ++r) {
+        double exact = 0, bound = 0, mag = 0;
+        for (int64_t b = 0; b < 32; ++b) {
+          double amax = 0, wsum = 0;
+          for (int64_t k = 32 * b; k < 32 * b + 32; ++k) {
+            const double xv = x[i * 1024 + k], wv = W[r * 1024 + k];
+            exact += xv * wv;
+            mag += std::fabs(xv * wv);
+            amax = std::max(amax, std::fabs(xv));
+            wsum += std::fabs(wv);
+          }
+          bound += amax / 254 * wsum;
+        }
+        const double err = std::fabs(y[i * 40 + r] - exact);
+        EXPECT_LE(err, bound + 1e-5 * mag) << "row " << i << " out " << r;
+        worst = std::max(worst, err / bound);
+        typical += err / mag;
+      }
+    EXPECT_GT(worst, 0.0);  // it does round
+    EXPECT_LT(typical / (m * 40), 5e-3);
+  }
+}
+
+// Scale bytes 0 (2^-127), 1, 254 and 255 (NaN): the vector tiles hand such tiles to the scalar
+// one, so the contract holds for them too, on every target; a NaN scale poisons exactly the
+// outputs that read it, a non-finite activation every output of its row.
+TEST(Mxfp4GemmQ8, EdgeScalesAndNonFiniteInputs) {
+  Rng rng(43);
+  for_each_simd_target([&](simd::Target) {
+    PackedMatrix pm(9, 256, rng);
+    pm.scales[1 * pm.sstride + 0] = 0;
+    pm.scales[2 * pm.sstride + 5] = 1;
+    pm.scales[3 * pm.sstride + 7] = 253;
+    pm.scales[6 * pm.sstride + 2] = 255;
+    std::vector<float> x = random_floats(2 * 256, rng), y(2 * 9);
+    x[256 + 40] = INFINITY;  // row 1, block 1
+    mxfp4_gemm_nt_q8(2, x.data(), 256, pm.view(), y.data(), 9, false);
+    const std::vector<float> want = q8_contract(pm.view(), 2, x.data(), 256, y, 9, false);
+    EXPECT_TRUE(std::isnan(y[6]));
+    for (int64_t r = 0; r < 9; ++r) {
+      EXPECT_TRUE(std::isnan(y[9 + r])) << r;
+      // Row 3's 2^126 block may overflow to ±Inf (and NaN in the lane tree), as the contract does.
+      if (r != 6 && !(std::isnan(y[r]) && std::isnan(want[r]))) {
+        EXPECT_EQ(std::memcmp(&y[r], &want[r], 4), 0) << r << ": " << y[r] << " vs " << want[r];
+      }
+    }
+    EXPECT_FALSE(std::isnan(y[1]) || std::isnan(y[2])) << "2^-127 and 2^-126 blocks are finite";
+    std::vector<float> zeros(256, 0.0f), yz(9, 1.0f);
+    mxfp4_gemm_nt_q8(1, zeros.data(), 256, pm.view(0, 6), yz.data(), 9, false);
+    for (int64_t r = 0; r < 6; ++r) EXPECT_EQ(yz[r], 0.0f);
+  });
+}
+
+TEST(Mxfp4GemmQ8, RowAloneEqualsRowInsideAThousandRowCall) {
+  Rng rng(44);
+  const int64_t m = 1000, rows = 24, cols = 320;
+  const PackedMatrix pm(rows, cols, rng);
+  const std::vector<float> x = random_floats(m * cols, rng);
+  for_each_simd_target([&](simd::Target) {
+    std::vector<float> y(m * rows), y1(rows);
+    mxfp4_gemm_nt_q8(m, x.data(), cols, pm.view(), y.data(), rows, false);
+    for (int64_t i : {0, 1, 63, 64, 65, 999}) {
+      mxfp4_gemm_nt_q8(1, x.data() + i * cols, cols, pm.view(), y1.data(), rows, false);
+      EXPECT_EQ(std::memcmp(y1.data(), y.data() + i * rows, rows * 4), 0) << "row " << i;
+    }
+  });
+}
+
+TEST(Mxfp4GemmQ8, RejectsColumnsNotAMultipleOf32) {
+  Rng rng(45);
+  const PackedMatrix pm(2, 64, rng);
+  Mxfp4Matrix bad = pm.view();
+  bad.cols = 40;
+  std::vector<float> x(64), y(2);
+  EXPECT_NE(error_of([&] { mxfp4_gemm_nt_q8(1, x.data(), 64, bad, y.data(), 2, false); }),
+            "(no error)");
 }
 
 }  // namespace

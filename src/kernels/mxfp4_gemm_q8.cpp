@@ -1,0 +1,475 @@
+#include "kernels/mxfp4_gemm_q8.h"
+
+// y = x·Wᵀ for inference with x quantized to int8 per 32-element block. Design in one place:
+//
+// * Why. A weight nibble becomes an integer by one byte shuffle (vpshufb: 64 codes per
+//   instruction) and 2·E2M1 × int8 products are summed exactly by integer multiply-adds
+//   (vpdpbusd with AVX-512 VNNI: 64 products per instruction; else AVX2 vpmaddubsw + vpmaddwd), so
+//   a 32-weight block costs about 4 vector instructions instead of the exact path's 8 (16-lane
+//   table lookups and one fused multiply-add per 16 weights). docs/PERF.md has what that buys
+//   on each target: cache-resident it is up to 1.4× (AVX-512) and 2× (AVX2) the exact path;
+//   streaming from DRAM both are limited by how fast one core pulls lines in while computing.
+//
+// * Quantization of x (shared scalar code, so every target gets the same bytes): per block of 32,
+//   amax = max|x|, q = round-to-nearest-even(x · (127 / amax)) in [-127, 127], and the block's
+//   half-scale sxh = amax / 254 (the factor 2 undoes the doubled weights below). amax = 0 gives
+//   q = 0, sxh = 0; a NaN or ±Inf in the block gives q = 0 and sxh = NaN, so the outputs that
+//   read the block are NaN.
+//
+// * Weights. vpmaddubsw multiplies unsigned by signed bytes, so a code is looked up as
+//   w' = 2·E2M1 + 12 in [0, 24] (doubled: integers) and the offset is removed with a per-lane
+//   correction 12·Σq computed once with the quantization: Σ w'·q − 12·Σq = Σ 2·E2M1·q, exact in
+//   int32 (|sum| <= 8·12·127 per lane).
+//
+// * Arithmetic (the contract every target follows; tests/test_mxfp4.cpp spells it out): the
+//   contraction is cut into spans of 128 elements (4 blocks; a short last span is padded with
+//   zero x and weights). Per (x row, W row), 16 lanes: lane l covers the 8 elements
+//   8l..8l+7 of each span (block l/4), and adds, span by span,
+//       acc_l = fma(float(Σ 2·E2M1·q over its 8 elements), sxh_{block} · 2^(e_block − 127), acc_l)
+//   starting from +0; y = the adjacent-pair tree of the 16 lanes (y + that sum when
+//   accumulating). The integer sums are exact whatever the instruction grouping, and the fp32
+//   operations are the same on AVX-512 (one 16-lane vector), AVX2 (two 8-lane vectors) and
+//   scalar, so the bits depend on the shapes only: not on m, the tile, threads or the target.
+//
+// * Layout of a quantized x row, per span (QSpan, 256 bytes): the even elements (low nibbles'
+//   partners) and odd elements as two 64-byte arrays, matching byte i of the span's 64 packed
+//   bytes; then the 16 lane corrections and the 16 lane half-scales.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MOE_Q8_X86 1
+#endif
+
+#include "core/error.h"
+#include "core/simd.h"
+#include "kernels/kernel_scratch.h"
+#include "kernels/mxfp4.h"
+
+namespace moe {
+
+namespace {
+
+constexpr int64_t kSpan = 128;        // elements per span
+constexpr int64_t kSpanBytes = 64;    // packed bytes per span
+constexpr int64_t kSpanScales = 4;    // blocks per span
+constexpr int64_t kLanes = 16;
+constexpr int32_t kOffset = 12;
+constexpr int64_t kRowsPerPanel = 64;  // x rows quantized at a time (bounded scratch)
+constexpr int64_t kAhead = 64;         // W rows prefetched ahead of the tile
+
+// 2·E2M1 + kOffset per code (codes 8..15 negative; 8 is -0).
+alignas(16) constexpr int8_t kWeightTable[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                                 12, 11, 10, 9,  8,  6,  4,  0};
+
+struct alignas(64) QSpan {
+  int8_t even[kSpanBytes];  // element 2i of the span, for packed byte i
+  int8_t odd[kSpanBytes];   // element 2i+1
+  int32_t corr[kLanes];     // −kOffset · Σ q over lane l's 8 elements
+  float sxh[kLanes];        // half-scale of lane l's block
+};
+static_assert(sizeof(QSpan) == 256);
+
+// Round to nearest even for |v| < 2^22 (the default rounding of the add), branch-free.
+inline float round_even(float v) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 · 2^23
+  return std::copysign((std::fabs(v) + kMagic) - kMagic, v);
+}
+
+// One block of 32: q in natural order and the half-scale. Written as flat loops of fixed trip
+// count so the compiler vectorises them; every operation is exact IEEE arithmetic, so any
+// vectorisation gives the same bytes.
+inline void quantize_block(const float* xb, int8_t* qb, float& sxh) {
+  float amax = 0;
+  int bad = 0;  // NaN or ±Inf
+  for (int64_t i = 0; i < mxfp4::kBlock; ++i) {
+    const float a = std::fabs(xb[i]);
+    amax = a > amax ? a : amax;
+    bad |= !(a <= std::numeric_limits<float>::max());
+  }
+  if (bad || amax == 0) {
+    std::memset(qb, 0, mxfp4::kBlock);
+    sxh = bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+    return;
+  }
+  sxh = amax / 254.0f;
+  const float inv = 127.0f / amax;
+  int32_t t[mxfp4::kBlock];
+  for (int64_t i = 0; i < mxfp4::kBlock; ++i)
+    t[i] = static_cast<int32_t>(std::clamp(round_even(xb[i] * inv), -127.0f, 127.0f));
+  for (int64_t i = 0; i < mxfp4::kBlock; ++i) qb[i] = static_cast<int8_t>(t[i]);
+}
+
+// A span's natural-order int8 values into the QSpan layout (even / odd elements, lane sums).
+inline void finish_span(const int8_t* v, const float* sxh, QSpan& q) {
+  for (int64_t i = 0; i < kSpanBytes; ++i) {
+    q.even[i] = v[2 * i];
+    q.odd[i] = v[2 * i + 1];
+  }
+  for (int64_t l = 0; l < kLanes; ++l) {
+    int32_t sum = 0;
+    for (int64_t i = 8 * l; i < 8 * l + 8; ++i) sum += v[i];
+    q.corr[l] = -kOffset * sum;
+    q.sxh[l] = sxh[l / 4];
+  }
+}
+
+#ifdef MOE_Q8_X86
+// The same quantization with AVX2 (used on the AVX2 and AVX-512 targets): the operations are
+// the scalar ones lane by lane (max, compare, multiply, round to nearest even, clamp), so the
+// bytes are identical.
+__attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* xb, int8_t* qb,
+                                                            float& sxh) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 fmax = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 a[4], vmax = _mm256_setzero_ps();
+  int finite = 0xFF;
+  for (int k = 0; k < 4; ++k) {
+    a[k] = _mm256_loadu_ps(xb + 8 * k);
+    const __m256 ab = _mm256_and_ps(a[k], abs_mask);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(ab, fmax, _CMP_LE_OQ));
+    vmax = _mm256_max_ps(vmax, ab);
+  }
+  alignas(32) float m8[8];
+  _mm256_store_ps(m8, vmax);
+  float amax = 0;
+  for (float v : m8) amax = v > amax ? v : amax;
+  if (finite != 0xFF || amax == 0) {
+    std::memset(qb, 0, mxfp4::kBlock);
+    sxh = finite != 0xFF ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+    return;
+  }
+  sxh = amax / 254.0f;
+  const __m256 inv = _mm256_set1_ps(127.0f / amax), lo = _mm256_set1_ps(-127.0f),
+               hi = _mm256_set1_ps(127.0f);
+  __m256i q[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(a[k], inv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q[k] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+  }
+  // packs interleave 128-bit halves: dwords come out as q0[0..3] q1[0..3] q2[0..3] q3[0..3]
+  // q0[4..7] ...; the permutation restores natural order.
+  const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                      _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#endif
+
+void quantize_row(const float* x, int64_t cols, int64_t spans, QSpan* out, bool vector) {
+  for (int64_t s = 0; s < spans; ++s) {
+    alignas(32) int8_t v[kSpan];
+    float sxh[kSpanScales];
+    for (int64_t j = 0; j < kSpanScales; ++j) {
+      const int64_t k0 = s * kSpan + j * mxfp4::kBlock;
+      int8_t* qb = v + j * mxfp4::kBlock;
+      if (k0 >= cols) {
+        std::memset(qb, 0, mxfp4::kBlock);
+        sxh[j] = 0;
+        continue;
+      }
+#ifdef MOE_Q8_X86
+      if (vector) {
+        quantize_block_avx2(x + k0, qb, sxh[j]);
+        continue;
+      }
+#endif
+      quantize_block(x + k0, qb, sxh[j]);
+    }
+    finish_span(v, sxh, out[s]);
+  }
+}
+
+// Where span s of a W row is read from: in place for whole spans, else a padded copy (zero
+// codes, unit scales, so the padding adds fma(0, 0, acc) = acc).
+struct RowSpans {
+  const uint8_t* packed;
+  const uint8_t* scales;
+  const uint8_t* ahead;  // the packed row kAhead rows further on (prefetched), or nullptr
+  int64_t full;      // spans read in place
+  alignas(64) uint8_t tail_packed[kSpanBytes];
+  uint8_t tail_scales[kSpanScales];
+
+  void set(const uint8_t* p, const uint8_t* sc, int64_t cols, const uint8_t* next) {
+    packed = p;
+    ahead = next;
+    scales = sc;
+    full = cols / kSpan;
+    const int64_t rest = cols - full * kSpan;
+    if (rest == 0) return;
+    std::memset(tail_packed, 0, sizeof tail_packed);
+    std::memset(tail_scales, 127, sizeof tail_scales);
+    std::memcpy(tail_packed, p + full * kSpanBytes, static_cast<size_t>(rest / 2));
+    std::memcpy(tail_scales, sc + full * kSpanScales, static_cast<size_t>(rest / mxfp4::kBlock));
+  }
+  const uint8_t* bytes(int64_t s) const { return s < full ? packed + s * kSpanBytes : tail_packed; }
+  // One cache line, into L2, of the row kAhead rows (32 KiB at 1,024 columns) on per span
+  // consumed. The hardware prefetchers alone left one core streaming about 9 GB/s while the
+  // decode loop ran; 8 rows ahead into L1 changed nothing, 64 rows into L2 gave 13-15 GB/s.
+  void prefetch_ahead(int64_t s) const {
+#ifdef MOE_Q8_X86
+    if (ahead && s < full) _mm_prefetch(reinterpret_cast<const char*>(ahead + s * kSpanBytes), _MM_HINT_T1);
+#else
+    (void)s;
+#endif
+  }
+  const uint8_t* scale_bytes(int64_t s) const {
+    return s < full ? scales + s * kSpanScales : tail_scales;
+  }
+};
+
+// Whether one of a span's 4 scale bytes is 0 (2^-127, a subnormal) or 255 (NaN): the vector
+// tiles build 2^(e-127) as the float with exponent field e, which is right for 1..254 only.
+inline bool has_edge_scale(uint32_t e4) {
+  auto has_zero_byte = [](uint32_t v) { return ((v - 0x01010101u) & ~v & 0x80808080u) != 0; };
+  return has_zero_byte(e4) | has_zero_byte(~e4);
+}
+
+// The adjacent-pair tree of 16 lanes.
+inline float tree16(const float* t) {
+  const float a0 = t[0] + t[1], a1 = t[2] + t[3], a2 = t[4] + t[5], a3 = t[6] + t[7];
+  const float a4 = t[8] + t[9], a5 = t[10] + t[11], a6 = t[12] + t[13], a7 = t[14] + t[15];
+  return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+}
+
+// ---- scalar: the contract, spelled out ----------------------------------------------------
+
+template <int A, int B>
+bool tile_scalar(const QSpan* const* xq, int64_t spans, const RowSpans* rows, float* out) {
+  for (int a = 0; a < A; ++a)
+    for (int b = 0; b < B; ++b) {
+      float acc[kLanes] = {};
+      for (int64_t s = 0; s < spans; ++s) {
+        const QSpan& q = xq[a][s];
+        const uint8_t* p = rows[b].bytes(s);
+        const uint8_t* e = rows[b].scale_bytes(s);
+        for (int64_t l = 0; l < kLanes; ++l) {
+          int32_t sum = 0;
+          for (int64_t i = 4 * l; i < 4 * l + 4; ++i)
+            sum += kWeightTable[p[i] & 15] * q.even[i] + kWeightTable[p[i] >> 4] * q.odd[i];
+          const float c = q.sxh[l] * mxfp4::e8m0_value(e[l / 4]);
+          acc[l] = std::fma(static_cast<float>(sum + q.corr[l]), c, acc[l]);
+        }
+      }
+      out[a * B + b] = tree16(acc);
+    }
+  return true;
+}
+
+#ifdef MOE_Q8_X86
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*, which -Wuninitialized flags in
+// every caller (a known false positive).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#define MOE_Q8_AVX512_BASE __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+
+// The adjacent-pair tree of each of 4 vectors at once: every step adds lanes (2j, 2j+1) of two
+// inputs into lane j (first input) and 8 + j (second), so after 4 steps lane i holds the tree
+// of vector i — the same additions as tree16, in a quarter of the instructions.
+MOE_Q8_AVX512_BASE inline __m512 pair_step(__m512 a, __m512 b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+
+MOE_Q8_AVX512_BASE inline void tree16_x4(const __m512* v, float* out) {
+  // lanes 0-7: v0's pairs, 8-15: v1's; then v0 0-3, v1 4-7, v2 8-11, v3 12-15; ...
+  const __m512 d = pair_step(pair_step(v[0], v[1]), pair_step(v[2], v[3]));
+  const __m512 e = pair_step(d, _mm512_setzero_ps());  // v0 0-1, v1 2-3, v2 4-5, v3 6-7
+  const __m512 f = pair_step(e, _mm512_setzero_ps());  // v_i in lane i
+  _mm_storeu_ps(out, _mm512_castps512_ps128(f));
+}
+
+#define MOE_Q8_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")))
+
+// ---- AVX-512 VNNI: one 16-lane vector per output; vpdpbusd sums 4 products per lane in one
+// instruction. (AVX-512 CPUs without VNNI run the AVX2 tile: same bits.) ----------------------------------------
+
+template <int A, int B>
+MOE_Q8_AVX512_VNNI bool tile_avx512_vnni(const QSpan* const* xq, int64_t spans, const RowSpans* rows,
+                               float* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i table =
+      _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kWeightTable)));
+  // Lane l (128-bit lane l/4) takes scale byte l/4 of a broadcast dword.
+  const __m512i spread = _mm512_set_epi32(
+      0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002, 0x80808002,
+      0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001, 0x80808000, 0x80808000,
+      0x80808000, 0x80808000);
+  bool edge = false;
+  __m512 acc[A * B];
+#pragma GCC unroll 16
+  for (int i = 0; i < A * B; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < spans; ++s) {
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) {
+      rows[b].prefetch_ahead(s);
+      const __m512i v = _mm512_loadu_si512(rows[b].bytes(s));
+      const __m512i w_even = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+      const __m512i w_odd = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+      uint32_t e4;
+      std::memcpy(&e4, rows[b].scale_bytes(s), 4);
+      edge |= has_edge_scale(e4);
+      // 2^(e-127) is the float with exponent field e (no edge scales here: see run).
+      const __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_shuffle_epi8(_mm512_set1_epi32(static_cast<int>(e4)), spread), 23));
+#pragma GCC unroll 8
+      for (int a = 0; a < A; ++a) {
+        const QSpan& q = xq[a][s];
+        const __m512i sums = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(_mm512_load_si512(q.corr), w_even, _mm512_load_si512(q.even)),
+            w_odd, _mm512_load_si512(q.odd));
+        const __m512 c = _mm512_mul_ps(_mm512_load_ps(q.sxh), ws);
+        acc[a * B + b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), c, acc[a * B + b]);
+      }
+    }
+  }
+  static_assert(A * B % 4 == 0);
+#pragma GCC unroll 4
+  for (int i = 0; i < A * B; i += 4) tree16_x4(acc + i, out + i);
+  return !edge;
+}
+
+// ---- AVX2: lanes 0-7 and 8-15 as two 8-lane vectors (halves of a span) ----------------------
+
+#define MOE_Q8_AVX2 __attribute__((target("avx2,fma")))
+
+template <int A, int B>
+MOE_Q8_AVX2 bool tile_avx2(const QSpan* const* xq, int64_t spans, const RowSpans* rows,
+                           float* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i table =
+      _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kWeightTable)));
+  const __m256i ones = _mm256_set1_epi16(1);
+  // Half h: lane l of the half (128-bit lane l/4) takes scale byte 2h + l/4.
+  const __m256i spread[2] = {
+      _mm256_setr_epi32(0x80808000, 0x80808000, 0x80808000, 0x80808000, 0x80808001, 0x80808001,
+                        0x80808001, 0x80808001),
+      _mm256_setr_epi32(0x80808002, 0x80808002, 0x80808002, 0x80808002, 0x80808003, 0x80808003,
+                        0x80808003, 0x80808003)};
+  bool edge = false;
+  __m256 acc[A * B][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < A * B; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < spans; ++s) {
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) {
+      rows[b].prefetch_ahead(s);
+      uint32_t e4;
+      std::memcpy(&e4, rows[b].scale_bytes(s), 4);
+      edge |= has_edge_scale(e4);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[b].bytes(s) + 32 * h));
+        const __m256i w_even = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
+        const __m256i w_odd =
+            _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+        const __m256 ws = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(e4)), spread[h]), 23));
+#pragma GCC unroll 8
+        for (int a = 0; a < A; ++a) {
+          const QSpan& q = xq[a][s];
+          const __m256i pairs = _mm256_add_epi16(
+              _mm256_maddubs_epi16(w_even, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.even + 32 * h))),
+              _mm256_maddubs_epi16(w_odd, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.odd + 32 * h))));
+          const __m256i sums = _mm256_add_epi32(
+              _mm256_madd_epi16(pairs, ones),
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(q.corr + 8 * h)));
+          const __m256 c = _mm256_mul_ps(_mm256_load_ps(q.sxh + 8 * h), ws);
+          acc[a * B + b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), c, acc[a * B + b][h]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < A * B; ++i) {
+    alignas(64) float lanes[kLanes];
+    _mm256_store_ps(lanes, acc[i][0]);
+    _mm256_store_ps(lanes + 8, acc[i][1]);
+    out[i] = tree16(lanes);
+  }
+  return !edge;
+}
+
+#pragma GCC diagnostic pop
+
+#endif  // MOE_Q8_X86
+
+using TileFn = bool (*)(const QSpan* const*, int64_t, const RowSpans*, float*);
+
+// Tiles of A x rows × B W rows. A vector tile that met an edge scale byte says so (its result is
+// then wrong) and the scalar tile, which gives the contract's bits for every byte, redoes it.
+template <int A, int B>
+void run(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y, int64_t ldy,
+         bool accumulate, TileFn tile) {
+  const int64_t spans = (w.cols + kSpan - 1) / kSpan;
+  const int64_t panel_rows = std::min(m, kRowsPerPanel);
+  // QSpan is 256 bytes = 64 floats; the panel holds panel_rows (rounded up to A) rows.
+  auto* panel = reinterpret_cast<QSpan*>(
+      kernel_scratch(0, (panel_rows + A) * spans * static_cast<int64_t>(sizeof(QSpan) / 4)));
+  QSpan* zero_row = panel + (panel_rows + A - 1) / A * A * spans;
+  const bool vector = simd::current() != simd::Target::Scalar;
+  quantize_row(nullptr, 0, spans, zero_row, vector);  // all-zero stand-in for rows past m
+  RowSpans rows[B];
+  float out[A * B];
+  for (int64_t i0 = 0; i0 < m; i0 += kRowsPerPanel) {
+    const int64_t mi = std::min(kRowsPerPanel, m - i0);
+    for (int64_t i = 0; i < mi; ++i) quantize_row(x + (i0 + i) * ldx, w.cols, spans, panel + i * spans, vector);
+    for (int64_t r0 = 0; r0 < w.rows; r0 += B) {
+      const int64_t nb = std::min<int64_t>(B, w.rows - r0);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t r = r0 + std::min<int64_t>(b, nb - 1);  // repeats the last real row
+        const int64_t rn = r0 + b + kAhead;
+        const uint8_t* next = rn < w.rows ? w.packed + rn * w.packed_stride : nullptr;
+        rows[b].set(w.packed + r * w.packed_stride, w.scales + r * w.scale_stride, w.cols, next);
+#ifdef MOE_Q8_X86
+        if (rn < w.rows) _mm_prefetch(reinterpret_cast<const char*>(w.scales + rn * w.scale_stride), _MM_HINT_T0);
+#endif
+      }
+      for (int64_t a0 = 0; a0 < mi; a0 += A) {
+        const int64_t na = std::min<int64_t>(A, mi - a0);
+        const QSpan* xq[A];
+        for (int64_t a = 0; a < A; ++a) xq[a] = a < na ? panel + (a0 + a) * spans : zero_row;
+        if (!tile(xq, spans, rows, out)) tile_scalar<A, B>(xq, spans, rows, out);
+        for (int64_t a = 0; a < na; ++a)
+          for (int64_t b = 0; b < nb; ++b) {
+            float& dst = y[(i0 + a0 + a) * ldy + r0 + b];
+            dst = accumulate ? dst + out[a * B + b] : out[a * B + b];
+          }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void mxfp4_gemm_nt_q8(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
+                      int64_t ldy, bool accumulate) {
+  MOE_CHECK(w.cols % mxfp4::kBlock == 0, "mxfp4_gemm_nt_q8: cols {} is not a multiple of 32",
+            w.cols);
+  if (m <= 0 || w.rows <= 0) return;
+  switch (simd::current()) {
+#ifdef MOE_Q8_X86
+    case simd::Target::Avx512: {
+      static const bool vnni = __builtin_cpu_supports("avx512vnni");
+      if (vnni)
+        return m == 1 ? run<1, 4>(m, x, ldx, w, y, ldy, accumulate, tile_avx512_vnni<1, 4>)
+                      : run<2, 4>(m, x, ldx, w, y, ldy, accumulate, tile_avx512_vnni<2, 4>);
+      [[fallthrough]];
+    }
+    case simd::Target::Avx2:
+      return m == 1 ? run<1, 4>(m, x, ldx, w, y, ldy, accumulate, tile_avx2<1, 4>)
+                    : run<2, 2>(m, x, ldx, w, y, ldy, accumulate, tile_avx2<2, 2>);
+#endif
+    default: return run<1, 1>(m, x, ldx, w, y, ldy, accumulate, tile_scalar<1, 1>);
+  }
+}
+
+}  // namespace moe
