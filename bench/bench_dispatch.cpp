@@ -31,8 +31,8 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "core/tensor.h"
-#include "dist/all_to_all_dispatcher.h"
-#include "dist/communicator.h"
+#include "parallel/all_to_all_dispatcher.h"
+#include "parallel/communicator.h"
 
 using namespace moe;
 

@@ -13,8 +13,8 @@
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "dist/all_to_all_dispatcher.h"
-#include "dist/communicator.h"
+#include "parallel/all_to_all_dispatcher.h"
+#include "parallel/communicator.h"
 #include "moe/moe_layer.h"
 
 using namespace moe;

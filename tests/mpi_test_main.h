@@ -8,7 +8,7 @@
 #include <optional>
 
 #include "core/memory.h"
-#include "dist/communicator.h"
+#include "parallel/communicator.h"
 
 namespace moe::testing {
 

@@ -37,8 +37,8 @@
 #include <vector>
 
 #include "core/memory.h"
-#include "dist/communicator.h"
-#include "dist/ep_training.h"
+#include "parallel/communicator.h"
+#include "parallel/ep_training.h"
 #include "io/model_spec.h"
 #include "model/model.h"
 #include "mpi_test_main.h"

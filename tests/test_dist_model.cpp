@@ -27,9 +27,9 @@
 
 #include "core/memory.h"
 #include "core/rng.h"
-#include "dist/all_to_all_dispatcher.h"
-#include "dist/communicator.h"
-#include "dist/ep_training.h"
+#include "parallel/all_to_all_dispatcher.h"
+#include "parallel/communicator.h"
+#include "parallel/ep_training.h"
 #include "io/model_spec.h"
 #include "model/model.h"
 #include "mpi_test_main.h"

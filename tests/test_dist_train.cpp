@@ -20,8 +20,8 @@
 
 #include "core/memory.h"
 #include "core/rng.h"
-#include "dist/communicator.h"
-#include "dist/ep_training.h"
+#include "parallel/communicator.h"
+#include "parallel/ep_training.h"
 #include "io/checkpoint.h"
 #include "io/model_spec.h"
 #include "model/model.h"

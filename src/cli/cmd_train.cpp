@@ -9,7 +9,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
-#include "dist/communicator.h"
+#include "parallel/communicator.h"
 #include "train/checkpoint_state.h"
 #include "train/trainer.h"
 

@@ -10,7 +10,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/simd.h"
-#include "dist/communicator.h"
+#include "parallel/communicator.h"
 
 namespace {
 

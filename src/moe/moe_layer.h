@@ -52,7 +52,7 @@ class MoELayer {
   // Tokens per expert (global ids), summed over Train forwards since the last update_bias.
   const std::vector<int64_t>& expert_counts() const { return counts_; }
   // For expert parallelism: the caller replaces the counts with their sum over all ranks
-  // (sum_router_counts, src/dist/ep_training.h) before update_bias. Size stays E.
+  // (sum_router_counts, src/parallel/ep_training.h) before update_bias. Size stays E.
   std::vector<int64_t>& expert_counts_mutable() { return counts_; }
   // bias += rate·sign(mean - count), re-centred to a zero-mean update; then resets the counts.
   void update_bias(double rate);

@@ -10,8 +10,8 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "dist/communicator.h"
-#include "dist/ep_training.h"
+#include "parallel/communicator.h"
+#include "parallel/ep_training.h"
 #include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"

@@ -6,7 +6,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
-#include "dist/communicator.h"
+#include "parallel/communicator.h"
 #include "model/model.h"
 
 namespace moe {

@@ -15,7 +15,7 @@
 // (global counted tokens), the summed gradients are those of the global mean loss.
 #include <memory>
 
-#include "dist/communicator.h"
+#include "parallel/communicator.h"
 #include "model/model.h"
 
 namespace moe {

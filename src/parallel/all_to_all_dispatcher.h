@@ -34,7 +34,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "dist/communicator.h"
+#include "parallel/communicator.h"
 #include "moe/dispatcher.h"
 
 namespace moe {

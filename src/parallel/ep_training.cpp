@@ -1,11 +1,11 @@
-#include "dist/ep_training.h"
+#include "parallel/ep_training.h"
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "core/error.h"
-#include "dist/all_to_all_dispatcher.h"
+#include "parallel/all_to_all_dispatcher.h"
 #include "train/adamw.h"
 
 namespace moe {

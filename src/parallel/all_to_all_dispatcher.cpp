@@ -1,4 +1,4 @@
-#include "dist/all_to_all_dispatcher.h"
+#include "parallel/all_to_all_dispatcher.h"
 
 #include <cstring>
 #include <limits>
