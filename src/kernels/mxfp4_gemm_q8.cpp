@@ -317,7 +317,7 @@ MOE_Q8_AVX512_VNNI bool tile_avx512_vnni(const QSpan* const* xq, int64_t spans, 
       uint32_t e4;
       std::memcpy(&e4, rows[b].scale_bytes(s), 4);
       edge |= has_edge_scale(e4);
-      // 2^(e-127) is the float with exponent field e (no edge scales here: see run).
+      // 2^(e-127) is the float with exponent field e for bytes 1..254; `edge` reports 0 / 255.
       const __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_shuffle_epi8(_mm512_set1_epi32(static_cast<int>(e4)), spread), 23));
 #pragma GCC unroll 8
