@@ -19,6 +19,7 @@
 #include "core/parallel.h"
 #include "core/simd.h"
 #include "infer/generation.h"
+#include "model/model.h"
 #include "io/model_spec.h"
 #include "kernels/fma_peak.h"
 #include "machine_peak.h"

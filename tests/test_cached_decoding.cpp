@@ -7,7 +7,7 @@
 
 #include "core/memory.h"
 #include "core/parallel.h"
-#include "infer/kv_cache.h"
+#include "model/latent_kv_cache.h"
 #include "io/model_spec.h"
 #include "model/model.h"
 #include "test_util.h"

@@ -11,6 +11,7 @@
 
 
 #include "infer/generation.h"
+#include "model/model.h"
 #include "io/model_spec.h"
 #include "mpi_test_main.h"
 #include "parallel/ep_training.h"

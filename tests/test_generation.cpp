@@ -8,6 +8,7 @@
 
 #include "core/memory.h"
 #include "infer/generation.h"
+#include "model/model.h"
 #include "infer/inference_model.h"
 #include "io/checkpoint.h"
 #include "io/model_spec.h"

@@ -293,7 +293,7 @@ TEST(Train, CtrlCStopsAfterTheStepWithACheckpointAndResumesBitwise) {
     first.config = tiny_config(dir, 8);
     first.config.run.out_dir = out.string();
     // The signal lands during step 4 (0-based 3): that step still finishes and is saved.
-    first.hooks.before_step = [sig](int64_t step, DeepSeekModel&) {
+    first.hooks.before_step = [sig](int64_t step, CausalLM&) {
       if (step == 3) raise(sig);
     };
     const TrainResult b = train(first);
@@ -320,7 +320,7 @@ TEST(Train, NonFiniteStepsAreSkippedThenStopTheRun) {
   TrainRequest req;
   req.config = tiny_config(dir, 20, {{"checkpoint.every", "2"}, {"optimizer.max_nonfinite_steps", "2"}});
   float saved = 0;
-  req.hooks.before_step = [&](int64_t step, DeepSeekModel& model) {
+  req.hooks.before_step = [&](int64_t step, CausalLM& model) {
     // The final norm: every token's logits go through it.
     float* w = nullptr;
     for (Param* p : model.params())

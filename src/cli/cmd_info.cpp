@@ -3,7 +3,7 @@
 
 #include "cli/commands.h"
 #include "infer/generation.h"
-#include "infer/kv_cache.h"
+#include "model/latent_kv_cache.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/parallel.h"

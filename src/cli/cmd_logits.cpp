@@ -8,7 +8,7 @@
 #include "io/safetensors.h"
 #include "io/token_file.h"
 #include "lora/merge.h"
-#include "model/model.h"
+#include "model/causal_lm.h"
 
 namespace moe::cli {
 
@@ -27,7 +27,8 @@ void run_logits(const LogitsArgs& a) {
     if (!note.empty()) fmt::print(stderr, "{}\n", note);
   }
   const TokenBatch batch = read_token_file(a.tokens_file);
-  DeepSeekModel model(cfg);
+  const std::unique_ptr<CausalLM> built = make_causal_lm(cfg);
+  CausalLM& model = *built;
   load_weights(a.model_dir, model.params());
   if (!a.adapter_dir.empty()) {
     const AttachedAdapter adapter = attach_peft_adapter(a.adapter_dir, a.model_dir, model);

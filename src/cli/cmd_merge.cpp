@@ -35,7 +35,8 @@
 #include "io/hf_config.h"
 #include "lora/merge.h"
 #include "lora/peft_adapter.h"
-#include "model/model.h"
+#include "model/causal_lm.h"
+#include "parallel/ep_training.h"
 
 namespace moe::cli {
 
@@ -53,8 +54,6 @@ struct MergeArgs {
 constexpr const char* kSideFiles[] = {"tokenizer.json", "tokenizer_config.json",
                                       "special_tokens_map.json", "generation_config.json"};
 
-bool is_routed_expert(const Param& p) { return p.name.find("mlp.experts.") != std::string::npos; }
-
 DType dtype_of(const std::string& name) { return name == "bf16" ? DType::BF16 : DType::F32; }
 
 // Weights in `dtype`, except fp32 routed experts in `expert_dtype` (packed ones keep I8 +
@@ -63,7 +62,7 @@ DType dtype_of(const std::string& name) { return name == "bf16" ? DType::BF16 : 
 void save_merged(const fs::path& out, const ModelConfig& cfg, const ParamList& params, DType dtype,
                  DType expert_dtype) {
   bool mixed = false;
-  for (const Param* p : params) mixed |= !p->packed() && is_routed_expert(*p) && expert_dtype != dtype;
+  for (const Param* p : params) mixed |= !p->packed() && is_routed_expert_param(p->name) && expert_dtype != dtype;
   if (!mixed) {
     save_model(out, cfg, params, dtype);
     return;
@@ -78,7 +77,7 @@ void save_merged(const fs::path& out, const ModelConfig& cfg, const ParamList& p
     const DType d = experts ? expert_dtype : dtype;
     bool opened = false;
     for (Param* p : params) {
-      if (is_routed_expert(*p) != experts) continue;
+      if (is_routed_expert_param(p->name) != experts) continue;
       const int64_t bytes = p->packed() ? p->value.nbytes() : p->value.numel() * dtype_size(d);
       if (!opened || (shards.back().bytes > 0 && shards.back().bytes + bytes > kDefaultMaxShardBytes))
         shards.push_back({{}, d, 0}), opened = true;
@@ -128,7 +127,8 @@ void run_merge(const MergeArgs& a) {
   // exactly: decoded from a packed base, or rounded through MXFP4 from an fp32 one.
   ModelConfig model_cfg = trained;
   if (packed && !requantize) model_cfg.expert_format = "fp32";
-  DeepSeekModel model(model_cfg);
+  const std::unique_ptr<CausalLM> built = make_causal_lm(model_cfg);
+  CausalLM& model = *built;
   if (model_cfg.mxfp4_experts() || !packed) {
     load_weights(base, model.params());  // packed, quantized on load, or fp32 as it is
   } else if (cfg.mxfp4_experts()) {

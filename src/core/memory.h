@@ -12,7 +12,7 @@ namespace moe {
 // Workspace: the kernels' per-thread packing buffers (bounded by block sizes, kept for reuse).
 // Adapter*: LoRA adapters (their matrices, gradients and AdamW moments), apart from the base
 // model's so a fine-tune's report shows what the adapters cost.
-// KvCache: inference's MLA latent cache (src/infer/kv_cache.h), preallocated per sequence slot.
+// KvCache: inference caches (model/inference_cache.h), preallocated per sequence slot.
 enum class MemCategory : int {
   Weights = 0, Grads, Optimizer, Activations, Routing, Scratch, Workspace,
   AdapterWeights, AdapterGrads, AdapterOptimizer, KvCache, Count

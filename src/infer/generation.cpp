@@ -42,7 +42,7 @@ struct GenerationEngine::Sequence {
   int64_t prompt_tokens() const { return static_cast<int64_t>(request.prompt.size()); }
 };
 
-GenerationEngine::GenerationEngine(DeepSeekModel& model, const Tokenizer& tokenizer,
+GenerationEngine::GenerationEngine(CausalLM& model, const Tokenizer& tokenizer,
                                    EngineOptions options, std::shared_ptr<Communicator> ep_group)
     : model_(model),
       tokenizer_(tokenizer),
@@ -65,7 +65,7 @@ GenerationEngine::GenerationEngine(DeepSeekModel& model, const Tokenizer& tokeni
         return o;
       }()),
       ep_group_(std::move(ep_group)),
-      cache_(model.config(), options_.max_sequences, options_.context) {
+      cache_(model.make_cache(options_.max_sequences, options_.context)) {
   model_.reserve_positions(options_.context);
 }
 
@@ -91,7 +91,7 @@ int64_t GenerationEngine::submit(GenerationRequest request, UpdateSink sink) {
   s->sink = std::move(sink);
   std::lock_guard lock(mutex_);
   if (static_cast<int64_t>(incoming_.size() + waiting_.size()) >= options_.max_queued +
-                                                                     cache_.free_slots())
+                                                                     cache_->free_slots())
     return -1;
   s->id = next_id_++;
   const int64_t id = s->id;
@@ -158,8 +158,8 @@ void GenerationEngine::drain_incoming() {
   std::lock_guard lock(mutex_);
   std::erase_if(active_, [](const auto& s) { return s == nullptr; });
   std::erase_if(waiting_, [](const auto& s) { return s == nullptr; });
-  while (!waiting_.empty() && cache_.free_slots() > 0) {
-    waiting_.front()->slot = cache_.acquire();
+  while (!waiting_.empty() && cache_->free_slots() > 0) {
+    waiting_.front()->slot = cache_->acquire();
     active_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
@@ -179,7 +179,7 @@ void GenerationEngine::finish(Sequence& s, FinishReason reason, std::string text
   {
     // submit() reads the free slots under the lock.
     std::lock_guard lock(mutex_);
-    if (s.slot >= 0) cache_.release(s.slot);
+    if (s.slot >= 0) cache_->release(s.slot);
     ++stats_.requests_finished;
   }
   s.slot = -1;
@@ -226,7 +226,7 @@ bool GenerationEngine::step() {
     ep_group_->all_reduce_sum(&signal, 1);
   }
   in_forward_ = true;
-  const Tensor logits = model_.forward_cached(input, chunks, cache_.layers());
+  const Tensor logits = model_.forward_cached(input, chunks, *cache_);
   in_forward_ = false;
   input.reset();
 
@@ -294,10 +294,10 @@ void GenerationEngine::shutdown() {
   }
 }
 
-void serve_experts(DeepSeekModel& model, Communicator& ep_group,
+void serve_experts(CausalLM& model, Communicator& ep_group,
                    const std::function<void(int64_t)>& after_forward) {
   // A one-position cache: this rank never holds a sequence, but the forward wants every layer.
-  const LatentKvCache cache(model.config(), 1, 1);
+  const std::unique_ptr<InferenceCache> cache = model.make_cache(1, 1);
   const Tensor none = Tensor::empty({0}, DType::I32, MemCategory::Activations);
   for (int64_t n = 1;; ++n) {
     int64_t signal = 0;
@@ -305,7 +305,7 @@ void serve_experts(DeepSeekModel& model, Communicator& ep_group,
     if (signal == kStopServing) return;
     MOE_CHECK(signal == kRunForward, "expert-parallel serving: unexpected signal {} from rank 0",
               signal);
-    (void)model.forward_cached(none, {}, cache.layers());
+    (void)model.forward_cached(none, {}, *cache);
     if (after_forward) after_forward(n);
   }
 }

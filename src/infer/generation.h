@@ -26,10 +26,9 @@
 
 #include "core/rng.h"
 #include "data/tokenizer.h"
-#include "infer/kv_cache.h"
 #include "infer/sampling.h"
 #include "infer/text_stream.h"
-#include "model/model.h"
+#include "model/causal_lm.h"
 #include "parallel/communicator.h"
 
 namespace moe {
@@ -82,7 +81,7 @@ class GenerationEngine {
  public:
   // The model must outlive the engine. `ep_group`: the expert-parallel group this rank (0)
   // leads, or null for one process.
-  GenerationEngine(DeepSeekModel& model, const Tokenizer& tokenizer, EngineOptions options,
+  GenerationEngine(CausalLM& model, const Tokenizer& tokenizer, EngineOptions options,
                    std::shared_ptr<Communicator> ep_group = nullptr);
   ~GenerationEngine();
 
@@ -109,18 +108,18 @@ class GenerationEngine {
 
   const EngineOptions& options() const { return options_; }
   EngineStats stats() const;
-  const LatentKvCache& cache() const { return cache_; }
+  const InferenceCache& cache() const { return *cache_; }
 
  private:
   struct Sequence;
   void drain_incoming();
   void finish(Sequence& s, FinishReason reason, std::string text);
 
-  DeepSeekModel& model_;
+  CausalLM& model_;
   const Tokenizer& tokenizer_;
   EngineOptions options_;
   std::shared_ptr<Communicator> ep_group_;
-  LatentKvCache cache_;
+  std::unique_ptr<InferenceCache> cache_;
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;
@@ -138,7 +137,7 @@ class GenerationEngine {
 // The loop of an expert-parallel rank other than 0: joins every forward rank 0 runs (with no rows
 // of its own) until rank 0's engine shuts down. `after_forward(n)` runs after the n-th forward
 // (tests take memory readings there).
-void serve_experts(DeepSeekModel& model, Communicator& ep_group,
+void serve_experts(CausalLM& model, Communicator& ep_group,
                    const std::function<void(int64_t)>& after_forward = {});
 
 }  // namespace moe

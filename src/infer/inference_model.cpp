@@ -77,7 +77,7 @@ InferenceModel load_inference_model(const fs::path& model_dir, const fs::path& a
             m.config.vocab_size, m.tokenizer->kind(), m.tokenizer->vocab_size());
   m.chat_template = load_chat_template(model_dir / "tokenizer_config.json");
   m.eos_ids = generation_config_eos_ids(model_dir / "generation_config.json");
-  m.model = std::make_unique<DeepSeekModel>(m.config, std::move(dispatcher));
+  m.model = make_causal_lm(m.config, std::move(dispatcher));
   load_weights(model_dir.string(), m.model->params());
   if (!adapter_dir.empty()) {
     const AttachedAdapter adapter = attach_peft_adapter(adapter_dir, model_dir, *m.model);

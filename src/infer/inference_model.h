@@ -12,7 +12,7 @@
 #include "data/chat_template.h"
 #include "data/finetune_data.h"
 #include "data/tokenizer.h"
-#include "model/model.h"
+#include "model/causal_lm.h"
 
 namespace moe {
 
@@ -20,7 +20,7 @@ class Dispatcher;
 
 struct InferenceModel {
   ModelConfig config;
-  std::unique_ptr<DeepSeekModel> model;
+  std::unique_ptr<CausalLM> model;
   std::unique_ptr<Tokenizer> tokenizer;
   std::optional<ChatTemplate> chat_template;  // the model's own; none: the engine's default
   std::string name;                            // the model directory's name (the API's model id)

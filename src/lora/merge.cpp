@@ -179,7 +179,7 @@ void merge_mxfp4(Param& data, Param& scales, const Param& a, const Param& b, dou
 
 // The adapters the model still reaches publicly (MoE layers: grouped expert adapters, shared
 // experts) must have the scale `settings` gives: a wrong `settings` would merge a wrong delta.
-void check_scales(DeepSeekModel& model, const LoraSettings& settings) {
+void check_scales(CausalLM& model, const LoraSettings& settings) {
   const LoraShape expert = settings.shape_for(true), other = settings.shape_for(false);
   auto same = [](const LoraShape& a, const LoraShape& b) {
     return a.rank == b.rank && a.scale == b.scale;
@@ -202,7 +202,7 @@ void check_scales(DeepSeekModel& model, const LoraSettings& settings) {
 
 }  // namespace
 
-MergeReport merge_lora_into_base(DeepSeekModel& model, const LoraSettings& settings) {
+MergeReport merge_lora_into_base(CausalLM& model, const LoraSettings& settings) {
   MOE_CHECK(model.has_lora(), "merge_lora_into_base: the model has no LoRA adapters to merge");
   check_scales(model, settings);
   std::map<std::string_view, Param*> base, lora;
@@ -284,7 +284,7 @@ MergeReport merge_lora_into_base(DeepSeekModel& model, const LoraSettings& setti
 }
 
 AttachedAdapter attach_peft_adapter(const fs::path& adapter_dir, const fs::path& base_dir,
-                                    DeepSeekModel& model) {
+                                    CausalLM& model) {
   std::error_code ec;
   MOE_CHECK(fs::is_directory(adapter_dir, ec), "{}: no such adapter directory (a PEFT adapter "
             "directory holds {} and {})", adapter_dir.string(), kAdapterConfigFile,

@@ -36,7 +36,7 @@
 
 namespace moe {
 
-class DeepSeekModel;
+class CausalLM;
 
 // One MoE layer's MXFP4 experts after re-quantizing W + ΔW (every expert matrix the adapters
 // changed). The error is that of the re-quantization: merged fp32 values against the packed ones.
@@ -59,7 +59,7 @@ struct MergeReport {
 // then drops the adapters: model.has_lora() is false afterwards and lora_params() empty.
 // The model keeps no reference from an adapter Param to its module, so the pairing is by PEFT
 // name: base_model.model.<module>.lora_{A,B}.weight adapts <module>.weight; shapes are checked.
-MergeReport merge_lora_into_base(DeepSeekModel& model, const LoraSettings& settings);
+MergeReport merge_lora_into_base(CausalLM& model, const LoraSettings& settings);
 
 // An adapter directory attached to a loaded base for inference (moe sample / logits / merge
 // --adapter): read_peft_adapter_config, add_lora, load_peft_adapter_weights (the adapter
@@ -74,7 +74,7 @@ struct AttachedAdapter {
   std::string base_mismatch;
 };
 AttachedAdapter attach_peft_adapter(const std::filesystem::path& adapter_dir,
-                                    const std::filesystem::path& base_dir, DeepSeekModel& model);
+                                    const std::filesystem::path& base_dir, CausalLM& model);
 
 // The model config an adapter is applied to: `base`, with the routed experts in the format the
 // adapter was trained with. `moe finetune` records the model's config.json in each checkpoint,

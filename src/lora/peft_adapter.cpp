@@ -155,7 +155,7 @@ fs::path part_file(const fs::path& dir, int part) {
 
 }  // namespace
 
-void save_peft_adapter(const fs::path& dir, const DeepSeekModel& model, const LoraSettings& s,
+void save_peft_adapter(const fs::path& dir, const CausalLM& model, const LoraSettings& s,
                        const std::string& base_model, const AdapterWriters& w) {
   Communicator* world = w.world && w.world->size() > 1 ? w.world : nullptr;
   const bool main = world == nullptr || world->rank() == 0;
@@ -212,7 +212,7 @@ void load_peft_adapter_weights(const fs::path& dir, const ParamList& ps) {
   }
 }
 
-void apply_peft_adapter(const fs::path& dir, DeepSeekModel& model) {
+void apply_peft_adapter(const fs::path& dir, CausalLM& model) {
   const LoraSettings s = read_peft_adapter_config(dir);
   model.add_lora(s, 0, (dir / kAdapterConfigFile).string());
   load_peft_adapter_weights(dir, model.lora_params());

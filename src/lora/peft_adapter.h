@@ -20,7 +20,7 @@
 namespace moe {
 
 class Communicator;
-class DeepSeekModel;
+class CausalLM;
 
 inline constexpr const char* kAdapterConfigFile = "adapter_config.json";
 inline constexpr const char* kAdapterWeightsFile = "adapter_model.safetensors";
@@ -46,15 +46,15 @@ struct AdapterWriters {
 };
 
 // Writes both files into `dir` (created), each atomically.
-void save_peft_adapter(const std::filesystem::path& dir, const DeepSeekModel& model,
+void save_peft_adapter(const std::filesystem::path& dir, const CausalLM& model,
                        const LoraSettings& settings, const std::string& base_model,
                        const AdapterWriters& writers = {});
-// Fills `lora_params` (from DeepSeekModel::add_lora) from dir's adapter_model.safetensors by
+// Fills `lora_params` (from CausalLM::add_lora) from dir's adapter_model.safetensors by
 // name; every tensor must be present, F32 or BF16, with its shape. Each rank reads only the
 // tensors it holds.
 void load_peft_adapter_weights(const std::filesystem::path& dir, const ParamList& lora_params);
 // read_peft_adapter_config + add_lora + load_peft_adapter_weights: the adapter applied unmerged.
-void apply_peft_adapter(const std::filesystem::path& dir, DeepSeekModel& model);
+void apply_peft_adapter(const std::filesystem::path& dir, CausalLM& model);
 
 // What an adapter checkpoint records of its base (base_model.json): the model directory and a
 // fingerprint of its config.json, tensor index (names, dtypes, shapes) and sampled bytes of every

@@ -10,26 +10,19 @@
 #include <string>
 
 #include "model/config.h"
+#include "model/inference_cache.h"
 #include "model/layers.h"
 #include "model/param.h"
 #include "model/rope.h"
 
 namespace moe {
 
-// One layer of the inference cache (src/infer/kv_cache.h): per sequence slot, max_len rows of
+// One layer of the latent KV cache (model/latent_kv_cache.h): per sequence slot, max_len rows of
 // kv_a_layernorm(c_kv) [kv_lora_rank] and RoPE(k_pe) [qk_rope_head_dim], slot-major.
 struct LatentCacheLayer {
   float* latent = nullptr;  // [slots, max_len, kv_lora_rank]
   float* k_rope = nullptr;  // [slots, max_len, qk_rope_head_dim]
   int64_t max_len = 0;
-};
-
-// `count` new tokens of the sequence in cache slot `slot`, at positions [past, past + count):
-// the next `count` rows of a cached forward's input (chunks follow each other in row order).
-struct CachedChunk {
-  int64_t slot = 0;
-  int64_t past = 0;
-  int64_t count = 0;
 };
 
 class MLAttention {

@@ -318,6 +318,18 @@ Tensor DeepSeekModel::logits(const Tensor& tokens, const BatchShape& shape) {
   return head_.logits(hidden_states(tokens, shape, Pass::Inference));
 }
 
+std::unique_ptr<InferenceCache> DeepSeekModel::make_cache(int64_t slots, int64_t max_len) const {
+  return std::make_unique<LatentKvCache>(cfg_, slots, max_len);
+}
+
+Tensor DeepSeekModel::forward_cached(const Tensor& tokens, std::span<const CachedChunk> chunks,
+                                     InferenceCache& cache, bool all_rows) {
+  const auto* latent = dynamic_cast<const LatentKvCache*>(&cache);
+  MOE_CHECK(latent != nullptr, "cached forward: the cache was not made by a {} model",
+            cfg_.model_type);
+  return forward_cached(tokens, chunks, latent->layers(), all_rows);
+}
+
 Tensor DeepSeekModel::forward_cached(const Tensor& tokens, std::span<const CachedChunk> chunks,
                                      std::span<const LatentCacheLayer> cache, bool all_rows) {
   MOE_CHECK(static_cast<int64_t>(cache.size()) == cfg_.num_hidden_layers,

@@ -46,10 +46,13 @@ double global_grad_norm(const ParamList& params, const ExpertParallelGroups& gro
 }
 
 bool is_routed_expert_param(const std::string& name) {
-  return name.find("mlp.experts.") != std::string::npos;
+  // V2/V3 keys and every family's PEFT adapter keys say mlp.experts., V4's released keys
+  // ffn.experts. (its shared experts are ffn.shared_experts.).
+  return name.find("mlp.experts.") != std::string::npos ||
+         name.find("ffn.experts.") != std::string::npos;
 }
 
-void sum_router_counts(DeepSeekModel& model, Communicator& world) {
+void sum_router_counts(CausalLM& model, Communicator& world) {
   if (world.size() == 1) return;
   for (MoELayer* m : model.moe_layers()) {
     std::vector<int64_t>& c = m->expert_counts_mutable();
@@ -83,7 +86,7 @@ void reduce_group(const std::vector<Param*>& ps, Communicator& comm) {
 
 }  // namespace
 
-void reduce_gradients(DeepSeekModel& model, Communicator& world, Communicator& expert_replicas) {
+void reduce_gradients(CausalLM& model, Communicator& world, Communicator& expert_replicas) {
   std::vector<Param*> shared, experts;
   for (Param* p : model.trainable_params()) {  // LoRA adapters included
     if (!p->grad.defined()) continue;

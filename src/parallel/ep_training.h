@@ -51,10 +51,10 @@ std::shared_ptr<Dispatcher> make_dispatcher(const ExpertParallelGroups& groups);
 // group (each shard counted once).
 double global_grad_norm(const ParamList& params, const ExpertParallelGroups& groups);
 
-// True for parameters that live on only some ranks (routed experts).
+// True for parameters that live on only some ranks (routed experts, their adapters included).
 bool is_routed_expert_param(const std::string& name);
 
-void sum_router_counts(DeepSeekModel& model, Communicator& world);
-void reduce_gradients(DeepSeekModel& model, Communicator& world, Communicator& expert_replicas);
+void sum_router_counts(CausalLM& model, Communicator& world);
+void reduce_gradients(CausalLM& model, Communicator& world, Communicator& expert_replicas);
 
 }  // namespace moe

@@ -11,7 +11,7 @@
 
 namespace moe {
 
-double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch, int64_t max_batches) {
+double evaluate(CausalLM& model, const PackedSequences& data, int64_t batch, int64_t max_batches) {
   double sum = 0;
   int64_t tokens = 0;
   int64_t batches = 0;
@@ -29,7 +29,7 @@ double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch
   return tokens > 0 ? sum / static_cast<double>(tokens) : std::numeric_limits<double>::quiet_NaN();
 }
 
-double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch,
+double evaluate(CausalLM& model, const PackedSequences& data, int64_t batch,
                 int64_t max_batches, Communicator& world) {
   const int64_t w = world.size(), rank = world.rank();
   if (w == 1) return evaluate(model, data, batch, max_batches);
@@ -71,7 +71,7 @@ nlohmann::json memory_json() {
   return {{"current", current}, {"peak", peak}};
 }
 
-nlohmann::json expert_load_json(const DeepSeekModel& model) {
+nlohmann::json expert_load_json(const CausalLM& model) {
   std::vector<int64_t> layer_ids;
   const ModelConfig& c = model.config();
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)

@@ -8,11 +8,11 @@
 namespace moe {
 
 class Communicator;
-class DeepSeekModel;
+class CausalLM;
 
 // Mean cross-entropy over `data` (all of it, or the first `max_batches` batches), weighted by
 // counted tokens, in Pass::Eval. NaN for empty data.
-double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch, int64_t max_batches);
+double evaluate(CausalLM& model, const PackedSequences& data, int64_t batch, int64_t max_batches);
 
 // The same over the ranks of `world`: global batch g holds sequences [g·batch, (g+1)·batch),
 // and rank r evaluates the r-th of W parts of batch / W sequences (batch must be divisible by
@@ -22,7 +22,7 @@ double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch
 // with one all_reduce_min whether every rank's data still holds it (ranks given data of
 // different lengths stop together at the shortest). The result is the token-weighted mean over
 // every evaluated token of every rank, identical on all ranks.
-double evaluate(DeepSeekModel& model, const PackedSequences& data, int64_t batch,
+double evaluate(CausalLM& model, const PackedSequences& data, int64_t batch,
                 int64_t max_batches, Communicator& world);
 
 // Tracked memory by category: {"current": {...}, "peak": {...}} in bytes.
@@ -31,6 +31,6 @@ nlohmann::json memory_json();
 // Per MoE layer: tokens routed to each expert (the report's heat map), to the busiest one and
 // the mean per expert, over the Train forwards since the last bias update (so: read it before
 // update_router_biases).
-nlohmann::json expert_load_json(const DeepSeekModel& model);
+nlohmann::json expert_load_json(const CausalLM& model);
 
 }  // namespace moe

@@ -148,7 +148,7 @@ void check_same_model(const fs::path& dir, const ModelConfig& configured) {
 // Initial weights (random, or model.weights: each rank reads only the tensors it holds) and
 // gradient buffers; returns the params AdamW updates. A resume takes its weights from the
 // checkpoint, so model.weights (which may be gone by then) is not read.
-ParamList prepare_for_training(DeepSeekModel& model, const TrainConfig& cfg, bool resuming) {
+ParamList prepare_for_training(CausalLM& model, const TrainConfig& cfg, bool resuming) {
   if (cfg.finetune) {
     // The base is always read (a resume's checkpoint holds only the adapters), then frozen.
     MOE_CHECK(fs::is_directory(cfg.model.weights),
@@ -216,8 +216,8 @@ class TrainingRun {
         mc_(resolve_train_model(cfg_, padded_vocab_size(tokenizer_->vocab_size()),
                                 tokenizer_->end_of_text())),
         groups_(make_groups(cfg_, req.world, mc_)),
-        model_(mc_, make_dispatcher(groups_)),
-        trainable_(prepare_for_training(model_, cfg_, req.resume_from.has_value())),
+        model_(make_causal_lm(mc_, make_dispatcher(groups_))),
+        trainable_(prepare_for_training(*model_, cfg_, req.resume_from.has_value())),
         opt_(trainable_, adamw_config(cfg_.optimizer)),
         sampler_(corpus_.train, static_cast<uint64_t>(cfg_.run.seed), cfg_.data.shuffle),
         schedule_{cfg_.optimizer.lr, cfg_.schedule.min_lr, cfg_.schedule.warmup_steps,
@@ -330,7 +330,7 @@ class TrainingRun {
     double n = 0;
     const double expert_share = static_cast<double>(mc_.num_experts_per_tok * groups_.ep_size) /
                                 static_cast<double>(std::max<int64_t>(1, mc_.n_routed_experts));
-    for (Param* p : model_.lora_params())
+    for (Param* p : model_->lora_params())
       n += static_cast<double>(p->value.numel()) *
            (is_routed_expert_param(p->name) ? expert_share : 1.0);
     return n;
@@ -375,10 +375,10 @@ class TrainingRun {
     }
     if (cfg_.finetune) {
       int64_t n = 0;
-      for (Param* p : model_.lora_params()) n += p->value.numel();
+      for (Param* p : model_->lora_params()) n += p->value.numel();
       const LoraSettings ls = lora_settings(cfg_);
       say(fmt::format("LoRA: {} adapter matrices, {} parameters (r {}, alpha {}{}{}); base model "
-                      "{} frozen{}", model_.lora_params().size(),
+                      "{} frozen{}", model_->lora_params().size(),
                       format_count(static_cast<double>(n)), ls.r, ls.alpha,
                       ls.rslora ? ", rsLoRA" : "",
                       ls.expert_r > 0 ? fmt::format(", routed experts r {}", ls.expert_r) : "",
@@ -442,9 +442,9 @@ class TrainingRun {
     check_same_model(dir, mc_);
     if (cfg_.finetune) {
       check_base_model(dir, cfg_.model.weights, base_fingerprint_);
-      load_peft_adapter_weights(dir, model_.lora_params());
+      load_peft_adapter_weights(dir, model_->lora_params());
     } else {
-      load_weights(dir, model_.params());
+      load_weights(dir, model_->params());
     }
     load_optimizer_state(dir, opt_);
     if (saved.data_fingerprint != corpus_.fingerprint)
@@ -480,7 +480,7 @@ class TrainingRun {
   // or a skipped step when anything is non-finite. Every rank draws the same global batches and
   // trains on its part; scaled as below, the summed gradients are those of the global batch.
   StepOutcome step() {
-    if (req_.hooks.before_step) req_.hooks.before_step(st_.step, model_);
+    if (req_.hooks.before_step) req_.hooks.before_step(st_.step, *model_);
     const auto t0 = Clock::now();
     const int64_t accum = cfg_.optimizer.grad_accum;
     const double w = static_cast<double>(world().size());
@@ -490,14 +490,14 @@ class TrainingRun {
     options.aux_grad_scale = static_cast<float>(1.0 / (w * static_cast<double>(accum)));
     StepOutcome s;
     s.lr = schedule_.at(st_.step);
-    model_.zero_grads();
+    model_->zero_grads();
     // This rank's share of the step's CE, z-loss and aux loss, and whether it was asked to stop:
     // one all-reduce makes all of them the same on every rank.
     double parts[4] = {0, 0, 0, 0};
     for (int64_t m = 0; m < accum; ++m) {
       const Batch b = local_batch(sampler_.next_indices(cfg_.data.batch_size));
       // Adapter dropout: fresh masks per micro-batch, keyed by global token index.
-      LoraRuntime& rt = model_.lora_runtime();
+      LoraRuntime& rt = model_->lora_runtime();
       rt.seed = static_cast<uint64_t>(cfg_.run.seed);
       rt.draw = static_cast<uint64_t>(st_.step * accum + m);
       rt.row_offset = world().rank() * b.shape.tokens();
@@ -508,10 +508,10 @@ class TrainingRun {
       world().all_reduce_sum(&all, 1);
       const double share = all > 0 ? static_cast<double>(mine) / static_cast<double>(all) : 0.0;
       options.grad_scale = static_cast<float>(share / static_cast<double>(accum));
-      const LossResult r = model_.forward(b.tokens, b.targets, b.shape, Pass::Train, options);
+      const LossResult r = model_->forward(b.tokens, b.targets, b.shape, Pass::Train, options);
       // Backward runs even for a non-finite loss: it is what releases the saved activations
       // and dispatch handles of this forward.
-      model_.backward();
+      model_->backward();
       if (mine > 0) {
         parts[0] += r.ce * share / static_cast<double>(accum);
         parts[1] += r.z_loss * share / static_cast<double>(accum);
@@ -520,15 +520,15 @@ class TrainingRun {
     }
     parts[3] = interrupt_ && interrupt_->requested() ? 1.0 : 0.0;
     if (world().size() > 1) {
-      reduce_gradients(model_, world(), *groups_.replicas);
-      sum_router_counts(model_, world());
+      reduce_gradients(*model_, world(), *groups_.replicas);
+      sum_router_counts(*model_, world());
       world().all_reduce_sum(parts, 4);
     }
     s.stop_requested = parts[3] > 0;
     s.loss = parts[0];
     s.z_loss = parts[1];
     s.aux_loss = parts[2];
-    s.expert_load = expert_load_json(model_);
+    s.expert_load = expert_load_json(*model_);
     s.grad_norm = world().size() > 1 ? global_grad_norm(trainable_, groups_) : grad_norm(trainable_);
     const float clip = cfg_.optimizer.grad_clip > 0
                            ? clip_coefficient(s.grad_norm, cfg_.optimizer.grad_clip)
@@ -536,7 +536,7 @@ class TrainingRun {
     s.finite = std::isfinite(s.loss) && std::isfinite(s.grad_norm);
     if (s.finite) {
       st_.nonfinite_streak = 0;
-      model_.update_router_biases(cfg_.optimizer.bias_update_rate);
+      model_->update_router_biases(cfg_.optimizer.bias_update_rate);
       opt_.step(s.lr, clip);  // clipping folded into the update: one pass over the gradients
     } else {
       skip(s);
@@ -555,8 +555,8 @@ class TrainingRun {
   void skip(const StepOutcome& s) {
     ++st_.nonfinite_streak;
     ++result_.skipped;
-    model_.zero_grads();
-    model_.update_router_biases(0.0);  // drops this step's expert counts, moves no bias
+    model_->zero_grads();
+    model_->update_router_biases(0.0);  // drops this step's expert counts, moves no bias
     const int64_t limit = cfg_.optimizer.max_nonfinite_steps;
     if (st_.nonfinite_streak > limit) {
       progress_.finish();
@@ -594,7 +594,7 @@ class TrainingRun {
   void validate() {
     const auto t0 = Clock::now();
     result_.final_val_loss =
-        evaluate(model_, corpus_.val, cfg_.data.batch_size, cfg_.data.val_batches, world());
+        evaluate(*model_, corpus_.val, cfg_.data.batch_size, cfg_.data.val_batches, world());
     say(fmt::format("step {}: validation loss {} ({})", st_.step,
                                   describe_loss(result_.final_val_loss),
                                   format_duration(seconds_since(t0))));
@@ -618,11 +618,11 @@ class TrainingRun {
       result_.last_checkpoint = save_checkpoint_dir(
           ckpt_dir_, st_, cfg_.checkpoint.keep_last, req_.hooks.checkpoint_file, extra, writers,
           [&](const fs::path& tmp) {
-            save_peft_adapter(tmp, model_, lora_settings(cfg_), base, aw);
+            save_peft_adapter(tmp, *model_, lora_settings(cfg_), base, aw);
             write_optimizer_files(tmp, opt_, writers);
           });
     } else {
-      result_.last_checkpoint = save_checkpoint(ckpt_dir_, mc_, model_.params(), opt_, st_,
+      result_.last_checkpoint = save_checkpoint(ckpt_dir_, mc_, model_->params(), opt_, st_,
                                                 cfg_.checkpoint.keep_last,
                                                 req_.hooks.checkpoint_file, extra, writers);
     }
@@ -689,7 +689,7 @@ class TrainingRun {
   // "51.00 KiB for 98.3K weights on this rank (4.25 bits per weight)".
   std::string describe_packed_experts() const {
     int64_t bytes = 0, weights = 0;
-    for (MoELayer* m : model_.moe_layers()) {
+    for (MoELayer* m : model_->moe_layers()) {
       bytes += m->mxfp4_experts()->bytes();
       const ExpertWeights& x = m->experts();
       weights += x.experts().count * 3 * x.dim() * x.hidden();
@@ -714,7 +714,7 @@ class TrainingRun {
   const Corpus corpus_;
   const ModelConfig mc_;
   const ExpertParallelGroups groups_;
-  DeepSeekModel model_;
+  std::unique_ptr<CausalLM> model_;
   const ParamList trainable_;
   AdamW opt_;
   TrainSampler sampler_;

@@ -15,12 +15,12 @@
 namespace moe {
 
 class Communicator;
-class DeepSeekModel;
+class CausalLM;
 
 // Test seams; all optional.
 struct TrainHooks {
   // Before the forward of step `step` (0-based), e.g. to poison a weight.
-  std::function<void(int64_t step, DeepSeekModel& model)> before_step;
+  std::function<void(int64_t step, CausalLM& model)> before_step;
   // Asked after step `steps_done` finished (metrics and checkpoint written); true ends the run
   // there, like an interruption.
   std::function<bool(int64_t steps_done)> stop_after;

@@ -226,12 +226,14 @@ DeepSeekV4Model::DeepSeekV4Model(const ModelConfig& cfg, std::shared_ptr<Dispatc
     mtp_->hc_head.collect(params_);
     mtp_->norm.collect(params_);
   }
+  for (MoELayer* m : moe_layers()) m->set_lora_runtime(lora_runtime_.get());
 }
 
 ParamList DeepSeekV4Model::trainable_params() const {
   ParamList out;
   for (Param* p : params_)
     if (p->trainable) out.push_back(p);
+  for (Param* p : lora_params_) out.push_back(p);
   return out;
 }
 
@@ -437,6 +439,7 @@ void DeepSeekV4Model::backward() {
 
 Tensor DeepSeekV4Model::logits(const Tensor& tokens, const BatchShape& shape, Tensor* mtp_logits) {
   const Pass pass = Pass::Inference;
+  lora_runtime_->dropout_active = false;
   Tensor X = streams(tokens, shape, pass);
   Tensor out = head_.logits(norm_.forward(hc_head_.forward(X, pass), pass));
   if (mtp_logits) {

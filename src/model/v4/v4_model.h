@@ -39,7 +39,7 @@
 #include "model/config.h"
 #include "model/layers.h"
 #include "model/lm_head_loss.h"
-#include "model/model.h"
+#include "model/causal_lm.h"
 #include "model/rope.h"
 #include "model/v4/compressor.h"
 #include "model/v4/hyper_connections.h"
@@ -86,44 +86,61 @@ class V4Block {
   BatchShape saved_shape_;
 };
 
-class DeepSeekV4Model {
+class DeepSeekV4Model : public CausalLM {
  public:
   explicit DeepSeekV4Model(const ModelConfig& cfg,
                            std::shared_ptr<Dispatcher> dispatcher = nullptr);
 
-  const ModelConfig& config() const { return cfg_; }
+  const ModelConfig& config() const override { return cfg_; }
   // Every parameter, in checkpoint order, with the released key names: embed.weight, the layers,
   // hc_head_{fn,base,scale}, norm.weight, head.weight, then mtp.0.{enorm,hnorm,e_proj,h_proj},
   // the MTP block, mtp.0.hc_head_*, mtp.0.norm. The hash tables (ffn.gate.tid2eid) and the
   // indexers are parameters that never train (trainable = false).
-  const ParamList& params() const { return params_; }
-  ParamList trainable_params() const;
+  const ParamList& params() const override { return params_; }
+  ParamList trainable_params() const override;
   // Deterministic initialisation, each tensor drawn from a stream keyed by (seed, name); see
   // v4_model.cpp for the rule of each kind (the mHC parameters included).
-  void init_weights(uint64_t seed);
-  void allocate_grads();
-  void zero_grads();
-  // No base parameter trains (no gradient, no optimizer state; router biases stay put).
-  void freeze_base();
+  void init_weights(uint64_t seed) override;
+  void allocate_grads() override;
+  void zero_grads() override;
 
   // tokens, targets: I32 [batch*seq]. Pass::Train keeps what backward() needs. With MTP the
   // result's total() includes options.mtp_loss_scale · mtp_ce (Train and Eval alike).
   LossResult forward(const Tensor& tokens, const Tensor& targets, const BatchShape& shape,
-                     Pass pass, const LossOptions& options = {});
-  void backward();
-  // Logits [batch*seq, vocab] in inference mode (nothing is kept); with `mtp_logits` and an MTP
-  // layer also the MTP head's [batch*seq, vocab] (row t predicts token t + 2).
-  Tensor logits(const Tensor& tokens, const BatchShape& shape, Tensor* mtp_logits = nullptr);
+                     Pass pass, const LossOptions& options = {}) override;
+  void backward() override;
+  Tensor logits(const Tensor& tokens, const BatchShape& shape) override {
+    return logits(tokens, shape, nullptr);
+  }
+  // With `mtp_logits` and an MTP layer also the MTP head's [batch*seq, vocab] (row t predicts
+  // token t + 2).
+  Tensor logits(const Tensor& tokens, const BatchShape& shape, Tensor* mtp_logits);
+
+  // Cached inference (v4_cached.cpp, model/v4/v4_cache.h).
+  std::unique_ptr<InferenceCache> make_cache(int64_t slots, int64_t max_len) const override;
+  Tensor forward_cached(const Tensor& tokens, std::span<const CachedChunk> chunks,
+                        InferenceCache& cache, bool all_rows = false) override;
+  // Grows the RoPE tables to `positions` now.
+  void reserve_positions(int64_t positions) override;
+
+  // No base parameter trains (no gradient, no optimizer state; router biases stay put).
+  void freeze_base() override;
+  // LoRA over V4 (v4_lora.cpp): targets are the PEFT module names of Hugging Face's
+  // deepseek_v4 model (SPEC §8.5).
+  const ParamList& add_lora(const LoraSettings& settings, uint64_t seed,
+                            const std::string& section = "lora") override;
+  const ParamList& lora_params() const override { return lora_params_; }
+  void drop_lora() override;
+  LoraRuntime& lora_runtime() override { return *lora_runtime_; }
+
+  std::vector<MoELayer*> moe_layers() const override;
+  // Aux-loss-free balancing: call between backward and the optimizer step.
+  void update_router_biases(double rate) override;
+  bool has_saved() const override;
 
   bool has_mtp() const { return mtp_ != nullptr; }
   const std::vector<std::unique_ptr<V4Block>>& blocks() const { return blocks_; }
   V4Block* mtp_block() const { return mtp_ ? mtp_->block.get() : nullptr; }
-  std::vector<MoELayer*> moe_layers() const;
-  // Aux-loss-free balancing: call between backward and the optimizer step.
-  void update_router_biases(double rate);
-  // Grows the RoPE tables to `positions` now.
-  void reserve_positions(int64_t positions);
-  bool has_saved() const;
 
  private:
   // The MTP module of depth 1 (keys mtp.0.*); its embedding shares the model's embed.weight
@@ -154,6 +171,9 @@ class DeepSeekV4Model {
   LMHeadLoss head_;
   std::unique_ptr<Mtp> mtp_;
   ParamList params_;
+  ParamList lora_params_;
+  // Behind a pointer: adapters keep its address.
+  std::unique_ptr<LoraRuntime> lora_runtime_ = std::make_unique<LoraRuntime>();
   // From a Train forward to backward: the gradients of the normed hidden states the head saw
   // (main and MTP), which the fused head + loss forms in the forward.
   Tensor d_head_in_, d_mtp_head_in_;
