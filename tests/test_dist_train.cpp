@@ -183,6 +183,42 @@ TEST(DistTrain, FrozenMxfp4ExpertsGiveTheSameLossesAtEveryEpSize) {
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 
+// DeepSeek-V4 through the same trainer (CausalLM): mHC streams, CSA/HCA layers, a hash-routed
+// layer and MTP, with fp32 and with frozen MXFP4 experts. Every EP size gives one process's
+// losses, and the sharded checkpoint loads whole into one process.
+TEST(DistTrain, DeepSeekV4MatchesOneProcessAtEveryEpSize) {
+  for (const char* experts : {"fp32", "mxfp4"}) {
+    const fs::path dir = shared_dir(std::string("v4_") + experts);
+    const std::vector<ConfigOverride> v4 = {{"model.preset", "debug-v4"},
+                                            {"model.aux_loss_alpha", "0"},
+                                            {"model.experts", experts}};
+    TrainRequest ref;
+    ref.config = tiny_config(dir, 4, rank_dir(dir) / "ref", v4);
+    const TrainResult want = train(ref);
+    EXPECT_LT(want.losses.back(), want.losses.front());
+    for (int e : ep_sizes()) {
+      std::vector<ConfigOverride> o = v4;
+      o.push_back({"parallel.ep", std::to_string(e)});
+      TrainRequest req;
+      req.config = tiny_config(dir, 4, dir / ("ep" + std::to_string(e)), o);
+      req.world = g_world;
+      const TrainResult got = train(req);
+      const double err = max_rel_diff(got.losses, want.losses);
+      std::printf("[ W %d EP %d, V4, %s experts ] worst loss rel diff %.3g\n", g_world->size(), e,
+                  experts, err);
+      EXPECT_LE(err, 1e-6) << "EP " << e << ", " << experts;
+      EXPECT_LE(std::abs(got.final_val_loss - want.final_val_loss) / want.final_val_loss, 1e-6);
+      EXPECT_EQ(routing_bytes(), 0);
+      if (g_world->rank() == 0) {
+        const fs::path ckpt = dir / ("ep" + std::to_string(e)) / "checkpoints" / "step_4";
+        const std::unique_ptr<CausalLM> whole = make_causal_lm(resolve_model_config(ckpt.string()));
+        load_weights(ckpt, whole->params());
+      }
+    }
+  }
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+}
+
 TEST(DistTrain, ResumeAtTheSameWorldSizeIsBitwiseAndOneProcessCanContinue) {
   const fs::path dir = shared_dir("resume");
   const int e = g_world->size();  // one copy of each expert (1 process: EP 1)

@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -282,31 +283,100 @@ ParamCounts count_params(const ModelConfig& c) {
   return p;
 }
 
-double train_flops_per_token(const ModelConfig& c, int64_t seq) {
+namespace {
+
+// The per-token work of one training step, split by how it is differentiated.
+struct TokenWork {
+  double matmul_weights = 0;  // weights of matmuls the backward differentiates (2 + 2 + 2 FLOPs)
+  double attention = 0;       // forward FLOPs of scores and values (backward: 2x more)
+  double forward_only = 0;    // FLOPs of parts with no gradient (V4's indexer)
+};
+
+TokenWork token_work_v3(const ModelConfig& c, int64_t seq) {
   const ParamCounts p = count_params(c);
+  TokenWork w;
   // Active weights that take part in a matmul: not the embedding row, not the norm vectors.
-  double matmul = static_cast<double>(p.active_per_token - c.hidden_size);
-  matmul -= static_cast<double>(c.hidden_size);  // final norm
+  w.matmul_weights = static_cast<double>(p.active_per_token - 2 * c.hidden_size);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    matmul -= static_cast<double>(2 * c.hidden_size + c.kv_lora_rank + (c.q_lora_rank > 0 ? c.q_lora_rank : 0));
+    w.matmul_weights -= static_cast<double>(2 * c.hidden_size + c.kv_lora_rank +
+                                            (c.q_lora_rank > 0 ? c.q_lora_rank : 0));
   // Causal attention: on average a token attends to (seq + 1) / 2 keys.
   const double keys = static_cast<double>(seq + 1) / 2.0;
-  const double attention = 2.0 * static_cast<double>(c.num_attention_heads) * keys *
-                           static_cast<double>(c.qk_head_dim() + c.v_head_dim) *
-                           static_cast<double>(c.num_hidden_layers);
-  return 3.0 * (2.0 * matmul + attention);
+  w.attention = 2.0 * static_cast<double>(c.num_attention_heads) * keys *
+                static_cast<double>(c.qk_head_dim() + c.v_head_dim) *
+                static_cast<double>(c.num_hidden_layers);
+  return w;
+}
+
+// DeepSeek-V4 (SPEC §6), counted from its parts: every block's projections, mHC mixes, router
+// and experts (top-k routed), the head, and the MTP block with its own pass through the head.
+// Attention keys per query, averaged over the positions of a sequence: the sliding window's,
+// plus the compressed entries a query sees (CSA: at most index_topk picks; HCA: every complete
+// block). The indexer scores every visible CSA entry, forward only.
+TokenWork token_work_v4(const ModelConfig& c, int64_t seq) {
+  const double D = static_cast<double>(c.hidden_size), n = static_cast<double>(c.hc_mult);
+  const double H = static_cast<double>(c.num_attention_heads), d = static_cast<double>(c.head_dim);
+  const double ql = static_cast<double>(c.q_lora_rank);
+  const double go = static_cast<double>(c.o_groups * c.o_lora_rank);
+  const double expert = 3.0 * D * static_cast<double>(c.moe_intermediate_size);
+  const double mix = (2.0 + n) * n * n * D;  // one hc site's mixing projection
+  auto mean_over_positions = [&](auto keys_at) {
+    double sum = 0;
+    for (int64_t t = 0; t < seq; ++t) sum += keys_at(t);
+    return seq > 0 ? sum / static_cast<double>(seq) : 0.0;
+  };
+  TokenWork w;
+  auto block = [&](int64_t layer) {
+    const int64_t ratio = c.compress_ratio(layer);
+    w.matmul_weights += 2 * mix + ql * D + H * d * ql + d * D + go * (H * d / c.o_groups) + D * go;
+    w.matmul_weights += static_cast<double>(c.n_routed_experts) * D +
+                        static_cast<double>(c.n_shared_experts + c.num_experts_per_tok) * expert;
+    double keys = mean_over_positions(
+        [&](int64_t t) { return static_cast<double>(std::min<int64_t>(t + 1, c.sliding_window)); });
+    if (ratio > 0) {
+      w.matmul_weights += 2.0 * (ratio == 4 ? 2 : 1) * d * D;  // compressor wkv, wgate
+      const auto entries = [&](int64_t t) { return static_cast<double>((t + 1) / ratio); };
+      if (ratio == 4) {
+        const double hi = static_cast<double>(c.index_n_heads);
+        const double di = static_cast<double>(c.index_head_dim);
+        keys += mean_over_positions([&](int64_t t) {
+          return std::min(entries(t), static_cast<double>(c.index_topk));
+        });
+        w.forward_only += 2.0 * (hi * di * ql + hi * D + 2.0 * 2.0 * di * D);
+        w.forward_only += 2.0 * hi * di * mean_over_positions(entries);
+      } else {
+        keys += mean_over_positions(entries);
+      }
+    }
+    w.attention += 2.0 * H * keys * 2.0 * d;  // scores and values over the shared KV
+  };
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) block(l);
+  const double head = static_cast<double>(c.vocab_size) * D + n * n * D;  // head + hc_head mix
+  w.matmul_weights += head;
+  for (int64_t k = 0; k < c.num_nextn_predict_layers; ++k) {
+    block(c.num_hidden_layers + k);
+    w.matmul_weights += 2.0 * D * D + head;  // e_proj, h_proj, its pass through the head
+  }
+  return w;
+}
+
+TokenWork token_work(const ModelConfig& c, int64_t seq) {
+  return c.is_v4() ? token_work_v4(c, seq) : token_work_v3(c, seq);
+}
+
+}  // namespace
+
+double train_flops_per_token(const ModelConfig& c, int64_t seq) {
+  const TokenWork w = token_work(c, seq);
+  return 3.0 * (2.0 * w.matmul_weights + w.attention) + w.forward_only;
 }
 
 double finetune_flops_per_token(const ModelConfig& c, int64_t seq, double adapter_weights_active) {
   // A frozen base computes no weight gradients: forward and input gradient of every matmul
   // (2 + 2 FLOPs per weight) instead of 6; attention is differentiated in full; each active
   // adapter weight costs 6 as in training.
-  const double full = train_flops_per_token(c, seq);
-  const ParamCounts p = count_params(c);
-  double matmul = static_cast<double>(p.active_per_token - 2 * c.hidden_size);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    matmul -= static_cast<double>(2 * c.hidden_size + c.kv_lora_rank + (c.q_lora_rank > 0 ? c.q_lora_rank : 0));
-  return full - 2.0 * matmul + 6.0 * adapter_weights_active;
+  const TokenWork w = token_work(c, seq);
+  return train_flops_per_token(c, seq) - 2.0 * w.matmul_weights + 6.0 * adapter_weights_active;
 }
 
 }  // namespace moe

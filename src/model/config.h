@@ -114,7 +114,8 @@ struct ParamCounts {
 ParamCounts count_params(const ModelConfig& c);
 
 // Matmul FLOPs of one training step (forward + backward = 3x forward) per token at sequence
-// length `seq`: 6 x active matmul weights, plus causal attention scores and values. Norms,
+// length `seq`: 6 x active matmul weights, plus causal attention scores and values (V4: over
+// its window and compressed entries, MTP included, the indexer forward only). Norms,
 // activations and the optimizer are not counted (the usual MFU convention).
 double train_flops_per_token(const ModelConfig& c, int64_t seq);
 // The same for LoRA fine-tuning of a frozen base with `adapter_weights_active` adapter weights
