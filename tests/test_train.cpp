@@ -240,10 +240,14 @@ TEST(Train, LossFallsWellBelowTheUnigramEntropy) {
   EXPECT_EQ(read_trainer_state(ckpt).step, 150);
 }
 
-TEST(Train, ResumeReproducesAnUninterruptedRunBitwise) {
-  const fs::path dir = scratch_dir("test_train_tmp");
+// The V2/V3 debug model, and DeepSeek-V4's (mHC, CSA/HCA, hash routing, MTP; its frozen hash
+// tables and indexers travel in the checkpoint without optimizer state).
+class TrainResume : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(TrainResume, ResumeReproducesAnUninterruptedRunBitwise) {
+  const fs::path dir = scratch_dir(std::string("test_train_tmp_") + GetParam());
   const std::vector<ConfigOverride> o = {{"checkpoint.every", "6"}, {"optimizer.grad_accum", "2"},
-                                         {"optimizer.z_loss", "1e-4"}};
+                                         {"optimizer.z_loss", "1e-4"}, {"model.preset", GetParam()}};
   TrainRequest full;
   full.config = tiny_config(dir, 14, o);
   full.config.run.out_dir = (dir / "full").string();
@@ -278,6 +282,11 @@ TEST(Train, ResumeReproducesAnUninterruptedRunBitwise) {
   while (std::getline(in, line)) EXPECT_EQ(nlohmann::json::parse(line)["step"], expect_step++);
   EXPECT_EQ(expect_step, 15);
 }
+
+INSTANTIATE_TEST_SUITE_P(Presets, TrainResume, ::testing::Values("debug", "debug-v4"),
+                         [](const auto& info) {
+                           return std::string(info.param) == "debug" ? "V3" : "V4";
+                         });
 
 TEST(Train, CtrlCStopsAfterTheStepWithACheckpointAndResumesBitwise) {
   const fs::path dir = scratch_dir("test_train_tmp");

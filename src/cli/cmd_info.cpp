@@ -56,6 +56,33 @@ void print_v4_info(const ModelConfig& c, const ParamCounts& p) {
              "sequence (the sliding windows)\n", entry_bytes, format_bytes(window_bytes));
 }
 
+// What a LoRA fine-tune of a V4 model holds per rank before activations, at EP `ep` with rank
+// `r` on every target the V4 recipes use (attention wq_a, wq_b, wkv, wo_b; shared and routed
+// experts): the frozen non-expert weights in fp32 on every rank (the engine decodes FP8/BF16 to
+// fp32 at load), the MXFP4 routed experts (MTP's included) split over the EP group, and the
+// adapters with their gradients and AdamW moments (4 fp32 values per adapter weight).
+void print_v4_lora_per_rank(const ModelConfig& c, const ParamCounts& p, int64_t ep, int64_t r) {
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size, d = c.head_dim;
+  const int64_t ql = c.q_lora_rank, go = c.o_groups * c.o_lora_rank;
+  const int64_t H = c.num_attention_heads;
+  const int64_t blocks = c.num_hidden_layers + c.num_nextn_predict_layers;
+  const int64_t expert_adapter = r * (3 * D + 3 * I);  // gate, up (D -> I), down (I -> D)
+  const int64_t dense_adapter =
+      r * ((D + ql) + (ql + H * d) + (D + d) + (go + D)) + c.n_shared_experts * expert_adapter;
+  const int64_t routed_adapter = c.n_routed_experts / ep * expert_adapter;
+  const int64_t adapters = blocks * (dense_adapter + routed_adapter);
+  const int64_t mtp_routed = c.num_nextn_predict_layers * c.n_routed_experts * 3 * D * I;
+  const int64_t frozen_fp32 = (p.total + p.mtp - p.routed_expert - mtp_routed) * 4;
+  const int64_t experts = (p.routed_expert + mtp_routed) * 17 / 32 / ep;
+  const int64_t adapter_bytes = adapters * 4 * 4;
+  fmt::print("LoRA per rank    EP {}, r {} on attention + shared + routed experts: {} before "
+             "activations\n", ep, r, format_bytes(frozen_fp32 + experts + adapter_bytes));
+  fmt::print("                 = frozen fp32 non-expert weights {} + MXFP4 routed experts {} "
+             "+ adapters {} ({} weights, with grads and AdamW moments)\n",
+             format_bytes(frozen_fp32), format_bytes(experts), format_bytes(adapter_bytes),
+             human_count(adapters));
+}
+
 void print_info(const std::string& spec) {
   const ModelConfig c = resolve_model_config(spec);
   const ParamCounts p = count_params(c);
@@ -88,6 +115,7 @@ void print_info(const std::string& spec) {
              format_bytes(frozen_bytes), c.mxfp4_experts() ? ": this model's format" : "");
   if (c.is_v4()) {
     print_v4_info(c, p);
+    print_v4_lora_per_rank(c, p, 8, 8);
     return;
   }
   const int64_t kv_per_token = LatentKvCache::bytes_per_token(c);
