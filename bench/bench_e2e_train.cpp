@@ -12,7 +12,7 @@
 #include "core/simd.h"
 #include "io/model_spec.h"
 #include "kernels/fma_peak.h"
-#include "model/model.h"
+#include "model/causal_lm.h"
 #include "train/adamw.h"
 #include "machine_peak.h"
 
@@ -48,7 +48,8 @@ int main(int argc, char** argv) {
   if (vocab > 0) cfg.vocab_size = vocab;
   const FmaPeak fma = measure_fma_peak(threads);
   const double gemm_peak = bench::gemm_rate_gflops(1536, 5);
-  DeepSeekModel model(cfg);
+  const std::unique_ptr<CausalLM> built = make_causal_lm(cfg);
+  CausalLM& model = *built;
   model.init_weights(1);
   model.allocate_grads();
   AdamW opt(model.trainable_params(), AdamWConfig{});
