@@ -15,6 +15,23 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
 import deepseek_ref as ref  # noqa: E402
 
 
+def time_and_report(a, step, params):
+    """Runs a.warmup untimed steps, then a.steps timed ones; prints the JSON line."""
+    for _ in range(a.warmup):
+        step()
+    t0 = time.perf_counter()
+    loss = 0.0
+    for _ in range(a.steps):
+        loss = float(step())
+    secs = time.perf_counter() - t0
+    tps = a.steps * a.batch * a.seq / secs
+    print(json.dumps({"impl": "pytorch", "torch": torch.__version__, "config": a.config,
+                      "threads": a.threads, "batch": a.batch, "seq": a.seq, "params": params,
+                      "tokens_per_s": round(tps, 1),
+                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "loss": round(loss, 4)}))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="small")
@@ -47,20 +64,7 @@ def main():
         tgt = torch.randint(0, V, (a.batch, a.seq))
         return ref.train_step(model, opt, ids, tgt, 0.0, 1.0, 1e-3)
 
-    for _ in range(a.warmup):
-        step()
-    t0 = time.perf_counter()
-    loss = 0.0
-    for _ in range(a.steps):
-        loss = float(step())
-    secs = time.perf_counter() - t0
-    tps = a.steps * a.batch * a.seq / secs
-    print(json.dumps({"impl": "pytorch", "torch": torch.__version__, "config": a.config,
-                      "threads": a.threads, "batch": a.batch, "seq": a.seq,
-                      "params": sum(p.numel() for p in model.parameters()),
-                      "tokens_per_s": round(tps, 1),
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "loss": round(loss, 4)}))
+    time_and_report(a, step, sum(p.numel() for p in model.parameters()))
 
 
 def run_v4(a, cfg_dict):
@@ -93,20 +97,7 @@ def run_v4(a, cfg_dict):
         opt.step()
         return total.detach()
 
-    for _ in range(a.warmup):
-        step()
-    t0 = time.perf_counter()
-    loss = 0.0
-    for _ in range(a.steps):
-        loss = float(step())
-    secs = time.perf_counter() - t0
-    tps = a.steps * a.batch * a.seq / secs
-    print(json.dumps({"impl": "pytorch", "torch": torch.__version__, "config": a.config,
-                      "threads": a.threads, "batch": a.batch, "seq": a.seq,
-                      "params": sum(v.numel() for v in trainable),
-                      "tokens_per_s": round(tps, 1),
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "loss": round(loss, 4)}))
+    time_and_report(a, step, sum(v.numel() for v in trainable))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -154,32 +155,46 @@ TEST(DistTrain, EveryEpSizeMatchesOneProcessOnTheSameBatches) {
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 
-TEST(DistTrain, FrozenMxfp4ExpertsGiveTheSameLossesAtEveryEpSize) {
-  const fs::path dir = shared_dir("mxfp4");
-  const std::vector<ConfigOverride> packed = {{"model.experts", "mxfp4"}};
+// Trains `steps` steps in this process alone, then on every rank at each EP size the world
+// allows (output in dir/ep<e>); each run's losses and validation loss must equal the single
+// process's within 1e-6. Calls check(e, result) after each EP run.
+void train_at_every_ep_size(const fs::path& dir, int64_t steps,
+                            const std::vector<ConfigOverride>& overrides, const std::string& label,
+                            const std::function<void(int, const TrainResult&)>& check) {
   TrainRequest ref;
-  ref.config = tiny_config(dir, 4, rank_dir(dir) / "ref", packed);
+  ref.config = tiny_config(dir, steps, rank_dir(dir) / "ref", overrides);
   const TrainResult want = train(ref);
-  std::vector<double> ep1;
+  EXPECT_LT(want.losses.back(), want.losses.front()) << label;
   for (int e : ep_sizes()) {
-    std::vector<ConfigOverride> o = packed;
+    std::vector<ConfigOverride> o = overrides;
     o.push_back({"parallel.ep", std::to_string(e)});
     TrainRequest req;
-    req.config = tiny_config(dir, 4, dir / ("ep" + std::to_string(e)), o);
+    req.config = tiny_config(dir, steps, dir / ("ep" + std::to_string(e)), o);
     req.world = g_world;
     const TrainResult got = train(req);
     const double err = max_rel_diff(got.losses, want.losses);
-    std::printf("[ W %d EP %d, MXFP4 experts ] worst loss rel diff %.3g\n", g_world->size(), e, err);
-    EXPECT_LE(err, 1e-6) << "EP " << e;
+    std::printf("[ W %d EP %d, %s ] worst loss rel diff %.3g\n", g_world->size(), e,
+                label.c_str(), err);
+    EXPECT_LE(err, 1e-6) << "EP " << e << ", " << label;
     EXPECT_LE(std::abs(got.final_val_loss - want.final_val_loss) / want.final_val_loss, 1e-6);
-    // On the same ranks, how the frozen experts are split changes no bit: the dispatch moves
-    // rows exactly, the experts see the same rows in the same order, and every gradient that
-    // exists (non-expert) is reduced over the same ranks in the same order.
-    if (e == 1) ep1 = got.losses;
-    EXPECT_TRUE(got.losses.size() == ep1.size() &&
-                std::memcmp(got.losses.data(), ep1.data(), ep1.size() * sizeof(double)) == 0)
-        << "EP " << e << " vs EP 1 on " << g_world->size() << " ranks";
+    EXPECT_EQ(routing_bytes(), 0);
+    check(e, got);
   }
+}
+
+TEST(DistTrain, FrozenMxfp4ExpertsGiveTheSameLossesAtEveryEpSize) {
+  std::vector<double> ep1;
+  train_at_every_ep_size(
+      shared_dir("mxfp4"), 4, {{"model.experts", "mxfp4"}}, "MXFP4 experts",
+      [&](int e, const TrainResult& got) {
+        // On the same ranks, how the frozen experts are split changes no bit: the dispatch moves
+        // rows exactly, the experts see the same rows in the same order, and every gradient that
+        // exists (non-expert) is reduced over the same ranks in the same order.
+        if (e == 1) ep1 = got.losses;
+        EXPECT_TRUE(got.losses.size() == ep1.size() &&
+                    std::memcmp(got.losses.data(), ep1.data(), ep1.size() * sizeof(double)) == 0)
+            << "EP " << e << " vs EP 1 on " << g_world->size() << " ranks";
+      });
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 
@@ -189,32 +204,16 @@ TEST(DistTrain, FrozenMxfp4ExpertsGiveTheSameLossesAtEveryEpSize) {
 TEST(DistTrain, DeepSeekV4MatchesOneProcessAtEveryEpSize) {
   for (const char* experts : {"fp32", "mxfp4"}) {
     const fs::path dir = shared_dir(std::string("v4_") + experts);
-    const std::vector<ConfigOverride> v4 = {{"model.preset", "debug-v4"},
-                                            {"model.aux_loss_alpha", "0"},
-                                            {"model.experts", experts}};
-    TrainRequest ref;
-    ref.config = tiny_config(dir, 4, rank_dir(dir) / "ref", v4);
-    const TrainResult want = train(ref);
-    EXPECT_LT(want.losses.back(), want.losses.front());
-    for (int e : ep_sizes()) {
-      std::vector<ConfigOverride> o = v4;
-      o.push_back({"parallel.ep", std::to_string(e)});
-      TrainRequest req;
-      req.config = tiny_config(dir, 4, dir / ("ep" + std::to_string(e)), o);
-      req.world = g_world;
-      const TrainResult got = train(req);
-      const double err = max_rel_diff(got.losses, want.losses);
-      std::printf("[ W %d EP %d, V4, %s experts ] worst loss rel diff %.3g\n", g_world->size(), e,
-                  experts, err);
-      EXPECT_LE(err, 1e-6) << "EP " << e << ", " << experts;
-      EXPECT_LE(std::abs(got.final_val_loss - want.final_val_loss) / want.final_val_loss, 1e-6);
-      EXPECT_EQ(routing_bytes(), 0);
-      if (g_world->rank() == 0) {
-        const fs::path ckpt = dir / ("ep" + std::to_string(e)) / "checkpoints" / "step_4";
-        const std::unique_ptr<CausalLM> whole = make_causal_lm(resolve_model_config(ckpt.string()));
-        load_weights(ckpt, whole->params());
-      }
-    }
+    train_at_every_ep_size(
+        dir, 4, {{"model.preset", "debug-v4"}, {"model.aux_loss_alpha", "0"},
+                 {"model.experts", experts}},
+        std::string("V4, ") + experts + " experts", [&](int e, const TrainResult&) {
+          if (g_world->rank() != 0) return;
+          const fs::path ckpt = dir / ("ep" + std::to_string(e)) / "checkpoints" / "step_4";
+          const std::unique_ptr<CausalLM> whole =
+              make_causal_lm(resolve_model_config(ckpt.string()));
+          load_weights(ckpt, whole->params());
+        });
   }
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
