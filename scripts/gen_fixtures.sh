@@ -19,3 +19,7 @@ fi
 # DeepSeek-V4 (tests/reference/deepseek_v4_ref.py): per-module and whole-model fixtures.
 "$PY" tests/reference/gen_v4_fixtures.py
 "$PY" tests/reference/gen_v4_fixtures.py --check
+# A tiny DeepSeek-V4 checkpoint in the released layout (FP8 + F8_E8M0 `.scale`, MXFP4 experts,
+# BF16, F32, I64 tid2eid) with the reference's logits (tests/fixtures/v4_released).
+"$PY" tests/reference/make_v4_checkpoint.py
+"$PY" tests/reference/make_v4_checkpoint.py --check

@@ -177,7 +177,7 @@ std::string mtp_notice(const SafetensorsSet& weights, const HfWeightsInfo& info,
 
 LoadSummary load_weights(const SafetensorsSet& weights, const ParamList& params) {
   const HfWeightsInfo info = read_hf_weights_info(weights.dir());
-  const Fp8Block block{info.fp8_block_rows, info.fp8_block_cols};
+  const Fp8Block block = info.fp8_block();
   std::map<std::string_view, Param*> by_name;
   for (Param* p : params) {
     MOE_CHECK(p != nullptr && p->value.defined(), "load_weights: parameter '{}' has no value",
@@ -212,10 +212,25 @@ LoadSummary load_weights(const SafetensorsSet& weights, const ParamList& params)
     if (p->format == ParamFormat::F32) {
       MOE_CHECK(p->value.dtype() == DType::F32,
                 "load_weights: parameter '{}' needs an allocated F32 value", p->name);
-      MOE_CHECK(!is_byte_dtype(e.dtype),
-                "{}: tensor '{}' is MXFP4-packed ({}), but the model keeps this expert in fp32; "
-                "load the model with MXFP4 experts (moe train: model.experts = \"mxfp4\")", file,
-                p->name, e.dtype);
+      const bool coded = e.dtype == "F8_E4M3" || is_byte_dtype(e.dtype);
+      MOE_CHECK(!coded || (p->value.ndim() == 2 && p->id_bound == 0),
+                "{}: tensor '{}' has dtype {}, but only a weight matrix can be stored as FP8 or "
+                "MXFP4; the model expects {} {}", file, p->name, e.dtype,
+                p->id_bound > 0 ? "I64 (or I32) ids" : "F32 (or BF16)",
+                shape_str(p->value.shape()));
+      if (is_byte_dtype(e.dtype)) {
+        // Packed MXFP4 into an fp32 parameter (the model keeps its experts in fp32): decoded
+        // row by row; WeightRows checks the scale.
+        auto rows = std::make_unique<WeightRows>(weights, p->name, block);
+        const Shape unpacked_shape = {rows->rows(), rows->cols()};
+        MOE_CHECK(unpacked_shape == p->value.shape(),
+                  "{}: packed tensor '{}' has shape {} (an MXFP4 matrix {}), the model expects {} "
+                  "([out, in/2] bytes = {})", file, p->name, shape_str(e.shape),
+                  shape_str(unpacked_shape), shape_str(p->value.shape()),
+                  shape_str({p->value.dim(0), p->value.dim(1) / 2}));
+        sources.push_back({Source::Rows, p, reader, nullptr, std::move(rows)});
+        continue;
+      }
       MOE_CHECK(e.shape == p->value.shape(), "{}: tensor '{}' has shape {}, the model expects {}",
                 file, p->name, shape_str(e.shape), shape_str(p->value.shape()));
       if (e.dtype == "F8_E4M3") {
@@ -232,9 +247,14 @@ LoadSummary load_weights(const SafetensorsSet& weights, const ParamList& params)
         continue;
       }
       MOE_CHECK(e.dtype == "F32" || e.dtype == "BF16",
-                "{}: tensor '{}' has dtype {}; only F32, BF16 and F8_E4M3 (with its "
-                "weight_scale_inv) weights{} can be loaded", file, p->name, e.dtype,
-                p->id_bound > 0 ? ", and I64 / I32 id tables," : "");
+                "{}: tensor '{}' has dtype {}; {}", file, p->name, e.dtype,
+                p->id_bound > 0 ? std::string("an id table loads from I64 or I32")
+                : p->value.ndim() == 2
+                    ? fmt::format("a weight matrix loads from F32, BF16, F8_E4M3 (with its {}) or "
+                                  "MXFP4 (I8 with its {})",
+                                  fp8_scale_name(p->name, block.scale_key),
+                                  mxfp4_scale_name(p->name))
+                    : std::string("expected F32 (or BF16)"));
       sources.push_back({Source::Copy, p, reader});
       continue;
     }
@@ -305,7 +325,8 @@ LoadSummary load_weights(const SafetensorsSet& weights, const ParamList& params)
         const int64_t cols = s.rows->cols();
         for (int64_t r = 0; r < s.rows->rows(); ++r) s.rows->row(r, s.param->w() + r * cols);
         ++summary.tensors;
-        ++summary.fp8;
+        summary.fp8 += s.rows->encoding() == WeightEncoding::Fp8;
+        summary.decoded += s.rows->encoding() == WeightEncoding::Mxfp4;
         break;
       }
       case Source::Quantize:
@@ -327,6 +348,38 @@ LoadSummary load_weights(const SafetensorsSet& weights, const ParamList& params)
 LoadSummary load_weights(const fs::path& model_dir, const ParamList& params) {
   const SafetensorsSet weights(model_dir);
   return load_weights(weights, params);
+}
+
+void write_weight_files(const fs::path& dir,
+                        const std::vector<std::vector<std::string>>& shard_tensors,
+                        int64_t total_bytes,
+                        const std::function<void(const fs::path&, size_t)>& write_shard) {
+  MOE_CHECK(!shard_tensors.empty(), "internal: a model needs at least one weight file");
+  create_model_dir(dir);
+  const fs::path index_path = dir / kSafetensorsIndexFile;
+  const std::set<std::string> old_shards = indexed_shards(index_path);
+  if (shard_tensors.size() == 1) {
+    // model.safetensors takes precedence over an index when loading, so it is written first and
+    // the old index removed only afterwards.
+    write_shard(dir / kSafetensorsSingleFile, 0);
+    remove_file(index_path);
+    for (const auto& old : old_shards)
+      if (old != kSafetensorsSingleFile) remove_file(dir / old);
+    return;
+  }
+  nlohmann::json weight_map = nlohmann::json::object();
+  std::set<std::string> new_shards;
+  for (size_t i = 0; i < shard_tensors.size(); ++i) {
+    const std::string file = shard_file_name(static_cast<int64_t>(i + 1),
+                                             static_cast<int64_t>(shard_tensors.size()));
+    for (const std::string& name : shard_tensors[i]) weight_map[name] = file;
+    write_shard(dir / file, i);
+    new_shards.insert(file);
+  }
+  write_index(index_path, weight_map, total_bytes);
+  remove_file(dir / kSafetensorsSingleFile);
+  for (const auto& old : old_shards)
+    if (!new_shards.contains(old)) remove_file(dir / old);
 }
 
 void save_model(const fs::path& dir, const ModelConfig& cfg, const ParamList& params, DType dtype,
@@ -359,33 +412,16 @@ void save_model(const fs::path& dir, const ModelConfig& cfg, const ParamList& pa
     total_bytes += bytes;
   }
 
-  create_model_dir(dir);
-  const fs::path index_path = dir / kSafetensorsIndexFile;
-  const std::set<std::string> old_shards = indexed_shards(index_path);
-  if (shards.size() == 1) {
-    // model.safetensors takes precedence over an index when loading, so it is written first and
-    // the old index removed only afterwards.
-    write_safetensors_with_dtypes(dir / kSafetensorsSingleFile, shards.front(), kWeightsMetadata);
-    remove_file(index_path);
-    for (const auto& old : old_shards)
-      if (old != kSafetensorsSingleFile) remove_file(dir / old);
-  } else {
-    nlohmann::json weight_map = nlohmann::json::object();
-    std::set<std::string> new_shards;
-    for (size_t i = 0; i < shards.size(); ++i) {
-      const std::string file = shard_file_name(static_cast<int64_t>(i + 1),
-                                               static_cast<int64_t>(shards.size()));
-      for (const auto& item : shards[i]) weight_map[item.name] = file;
-      write_safetensors_with_dtypes(dir / file, shards[i], kWeightsMetadata);
-      new_shards.insert(file);
-    }
-    write_index(index_path, weight_map, total_bytes);
-    remove_file(dir / kSafetensorsSingleFile);
-    for (const auto& old : old_shards)
-      if (!new_shards.contains(old)) remove_file(dir / old);
+  std::vector<std::vector<std::string>> shard_tensors;
+  for (const auto& shard : shards) {
+    shard_tensors.emplace_back();
+    for (const auto& item : shard) shard_tensors.back().push_back(item.name);
   }
+  write_weight_files(dir, shard_tensors, total_bytes, [&](const fs::path& path, size_t shard) {
+    write_safetensors_with_dtypes(path, shards[shard], kWeightsMetadata);
+  });
   write_hf_config(dir, written);
-  fsync_directory(dir);  // the removals above
+  fsync_directory(dir);  // the removals in write_weight_files
 }
 
 void save_model_shard(const fs::path& dir, int64_t shard, int64_t shards, const ParamList& params,

@@ -3,7 +3,9 @@
 // model-0000i-of-0000n.safetensors with model.safetensors.index.json.
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "model/config.h"
 #include "model/param.h"
@@ -18,10 +20,12 @@ class SafetensorsSet;
 // is touched. Absent `*.mlp.gate.e_score_correction_bias` tensors are zeroed (DeepSeek-V2
 // checkpoints have no router bias); any other absent tensor is an error.
 //
-// On-disk forms: F32 and BF16 (converted); F8_E4M3 with its `weight_scale_inv` block scales
-// (DeepSeek-V3/R1/V3.1, io/fp8.h; block size from config.json's quantization_config, 128x128
-// by default), dequantized row by row straight into the fp32 value; into an MXFP4 pair, F32 /
-// BF16 / FP8 rows are quantized one row at a time and I8 + F8_E8M0 pairs copied as they are.
+// On-disk forms: F32 and BF16 (converted); F8_E4M3 with its block scales (DeepSeek-V3/R1/V3.1
+// `weight_scale_inv`, DeepSeek-V4 `.scale` as config.json's model_type says; io/fp8.h; block
+// size from its quantization_config, 128x128 by default), dequantized row by row straight into
+// the fp32 value; I8 + F8_E8M0 MXFP4 pairs (DeepSeek-V4's routed experts) decoded row by row
+// into an fp32 matrix. Into an MXFP4 pair, I8 + F8_E8M0 pairs are copied as they are (never
+// decoded) and F32 / BF16 / FP8 rows quantized one row at a time.
 // Integer id tables (Param::id_bound > 0, DeepSeek-V4's `gate.tid2eid`) load from I64 (as
 // released) or I32, every entry checked against the bound (an error names the tensor, the entry
 // and the bound) before any value is touched.
@@ -35,6 +39,7 @@ struct LoadSummary {
   int64_t tensors = 0;      // params filled from the files (an MXFP4 pair counts once)
   int64_t fp8 = 0;          // ... of which dequantized from F8_E4M3
   int64_t quantized = 0;    // MXFP4 pairs quantized on load (from F32, BF16 or FP8)
+  int64_t decoded = 0;      // MXFP4 pairs decoded into fp32 parameters
   int64_t zeroed = 0;       // absent router correction biases
   int64_t mtp_tensors = 0;  // MTP tensors present in the files and skipped
   std::string notice;       // the notice printed ("" when there was none)
@@ -51,6 +56,17 @@ inline constexpr int64_t kDefaultMaxShardBytes = int64_t{4} << 30;
 // longer uses are removed afterwards so they cannot shadow the new weights.
 void save_model(const std::filesystem::path& dir, const ModelConfig& cfg, const ParamList& params,
                 DType dtype = DType::F32, int64_t max_shard_bytes = kDefaultMaxShardBytes);
+
+// The weight files of a model directory, for savers with their own tensor encodings (the
+// DeepSeek-V4 released layout, io/v4_checkpoint.h): `write_shard(path, i)` writes shard i
+// (0-based) holding the tensors shard_tensors[i]. One shard becomes model.safetensors, several
+// become model-0000i-of-0000n.safetensors plus model.safetensors.index.json (total_size
+// `total_bytes`). Creates `dir`; the order of writes and the removal of stale weight files are
+// save_model's (above). The caller writes config.json afterwards, then fsyncs `dir`.
+void write_weight_files(const std::filesystem::path& dir,
+                        const std::vector<std::vector<std::string>>& shard_tensors,
+                        int64_t total_bytes,
+                        const std::function<void(const std::filesystem::path&, size_t)>& write_shard);
 
 // A model saved by several processes at once (expert parallelism), into one directory on a file
 // system they share: each process writes its part of the weights as shard `shard` of `shards`

@@ -19,6 +19,7 @@
 #include "io/hf_config.h"
 #include "io/inspect.h"
 #include "io/safetensors.h"
+#include "io/v4_checkpoint.h"
 #include "kernels/mxfp4.h"
 
 namespace moe {
@@ -29,12 +30,23 @@ namespace {
 
 constexpr int64_t kCopyChunk = int64_t{4} << 20;
 
-int64_t layer_of(const std::string& name) {
-  const std::string_view head = "model.layers.";
+// The layer of a tensor: model.layers.L.* (V2/V3), layers.L.* or mtp.0.* (V4: the layer after
+// the last); -1 for the others.
+int64_t layer_of(const std::string& name, const ModelConfig& cfg) {
+  if (cfg.is_v4() && name.starts_with("mtp.")) return cfg.num_hidden_layers;
+  const std::string_view head = cfg.is_v4() ? "layers." : "model.layers.";
   if (!std::string_view(name).starts_with(head)) return -1;
   int64_t layer = -1;
   std::from_chars(name.data() + head.size(), name.data() + name.size(), layer);
   return layer;
+}
+
+// Tensors DeepSeek ships in F32 stay F32 when the rest becomes bf16: the router's bias only ranks
+// experts, and V4's hyper-connection mixes, attention sinks and compressor position biases are
+// small F32 tensors in every release.
+bool kept_f32(const std::string& name, const ModelConfig& cfg) {
+  if (cfg.is_v4()) return v4_released_format(std::string_view(name)) == V4DiskFormat::F32;
+  return name.ends_with("e_score_correction_bias");
 }
 
 // One unit of output: one tensor, or an MXFP4 pair (weight + scale, written together).
@@ -100,9 +112,6 @@ ConvertReport convert_model(const fs::path& in, const fs::path& out, const Conve
   MOE_CHECK(opt.experts == "mxfp4" || opt.experts == "bf16" || opt.experts == "f32",
             "--experts must be mxfp4, bf16 or f32, got '{}'", opt.experts);
   const ModelConfig cfg = read_hf_config(in);
-  // The conversion maps V2/V3 keys (transformers' names, FP8 weight_scale_inv).
-  MOE_CHECK(!cfg.is_v4(), "{}: model_type \"deepseek_v4\": moe convert / quantize do not read "
-            "the released DeepSeek-V4 layout yet", in.string());
   const HfWeightsInfo info = read_hf_weights_info(in);
   ModelConfig out_cfg = cfg;
   out_cfg.expert_format = opt.experts == "mxfp4" && cfg.n_routed_experts > 0 ? "mxfp4" : "fp32";
@@ -115,7 +124,7 @@ ConvertReport convert_model(const fs::path& in, const fs::path& out, const Conve
             "{}: already exists and is not an empty directory; choose a new --out", out.string());
 
   const SafetensorsSet weights(in);
-  const Fp8Block block{info.fp8_block_rows, info.fp8_block_cols};
+  const Fp8Block block = info.fp8_block();
   const std::string dense_dtype = opt.dtype == "bf16" ? "BF16" : "F32";  // "keep": see below
   const std::string expert_dtype = opt.experts == "bf16" ? "BF16" : "F32";
   ConvertReport report;
@@ -136,13 +145,21 @@ ConvertReport convert_model(const fs::path& in, const fs::path& out, const Conve
     Job job;
     job.input = x.name;
     job.expert = x.routed_expert();
+    if (x.ids) {
+      MOE_CHECK(e.shape == x.shape && (e.dtype == "I64" || e.dtype == "I32"),
+                "{}: tensor '{}' is {} {}; the model needs an I64 (or I32) id table {}", file,
+                x.name, e.dtype, shape_str(e.shape), shape_str(x.shape));
+      job.kind = Job::Copy;
+      job.items.push_back({x.name, e.dtype, e.shape});
+      jobs.push_back(std::move(job));
+      continue;
+    }
     if (!x.matrix) {
       MOE_CHECK(e.shape == x.shape && (e.dtype == "F32" || e.dtype == "BF16"),
                 "{}: tensor '{}' is {} {}; the model needs F32 or BF16 {}", file, x.name, e.dtype,
                 shape_str(e.shape), shape_str(x.shape));
-      // The router bias only ranks experts: DeepSeek's F32 stays F32.
       const bool keep = opt.dtype == "keep" || e.dtype == dense_dtype ||
-                        (x.name.ends_with("e_score_correction_bias") && e.dtype == "F32");
+                        (kept_f32(x.name, cfg) && e.dtype == "F32");
       job.kind = keep ? Job::Copy : Job::Vector;
       job.out_dtype = keep ? e.dtype : dense_dtype;
       job.items.push_back({x.name, job.out_dtype, e.shape});
@@ -304,7 +321,7 @@ ConvertReport convert_model(const fs::path& in, const fs::path& out, const Conve
           std::vector<uint8_t> packed(static_cast<size_t>(cols / 2));
           row.resize(static_cast<size_t>(cols));
           back.resize(static_cast<size_t>(cols));
-          ErrorSums& sums = per_layer[layer_of(j->input)];
+          ErrorSums& sums = per_layer[layer_of(j->input, cfg)];
           for (int64_t r = 0; r < rows; ++r) {
             w.row(r, row.data());
             uint8_t* s = scales.u8() + r * (cols / B);

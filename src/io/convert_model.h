@@ -16,7 +16,12 @@
 // Left out of the new model: the multi-token-prediction layers (num_nextn_predict_layers; moe
 // does not use them) and the FP8 scale tensors consumed. Tensors the model does not describe are
 // copied as they are (and reported). The router's F32 correction bias stays F32 under
-// dtype = bf16 (it only ranks experts; DeepSeek ships it in F32).
+// dtype = bf16 (it only ranks experts; DeepSeek ships it in F32), as do DeepSeek-V4's F32
+// tensors (hc_*, attn_sink, ape, gate.bias); V4's I64 gate.tid2eid is copied as it is.
+//
+// DeepSeek-V4 (model_type deepseek_v4): the released layout (FP8 with `.scale`, MXFP4 experts)
+// is read like V3's; the output is the engine's layout (no fp8 quantization_config, experts
+// packed or not as `experts` says), under the released key names.
 #include <cstdint>
 #include <filesystem>
 #include <functional>

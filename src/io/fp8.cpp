@@ -67,6 +67,23 @@ std::string fp8_scale_inv_name(std::string_view weight_name) {
   return std::string(weight_name) + "_scale_inv";
 }
 
+std::string fp8_scale_name(std::string_view weight_name, Fp8ScaleKey key) {
+  return key == Fp8ScaleKey::Scale ? mxfp4_scale_name(weight_name) : fp8_scale_inv_name(weight_name);
+}
+
+uint8_t fp8_tile_scale_e8m0(float amax) {
+  // 464 = 448 + half of E4M3's step (32) between 256 and 512; see fp8.h.
+  constexpr float kLargestBeforeOverflow = 464.0f;
+  if (!(amax > 0.0f)) return 127;  // zeros (and NaN: the elements carry it, any scale will do)
+  if (std::isinf(amax)) return 254;
+  // The smallest e with amax <= 464 · 2^e; ldexp is exact, so the comparison is too.
+  int e = 0;
+  std::frexp(amax / kLargestBeforeOverflow, &e);  // amax/464 in [2^(e-1), 2^e)
+  while (e > -127 && std::ldexp(kLargestBeforeOverflow, e - 1) >= amax) --e;
+  while (std::ldexp(kLargestBeforeOverflow, e) < amax) ++e;
+  return static_cast<uint8_t>(std::clamp(e, -127, 127) + 127);
+}
+
 std::string fp8_weight_of_scale_inv(std::string_view name) {
   const std::string_view suffix = ".weight_scale_inv";
   if (!name.ends_with(suffix)) return {};
@@ -106,21 +123,24 @@ WeightRows::WeightRows(const SafetensorsSet& weights, const std::string& name, F
     encoding_ = WeightEncoding::BF16;
   } else if (e.dtype == "F8_E4M3") {
     encoding_ = WeightEncoding::Fp8;
-    scale_name_ = fp8_scale_inv_name(name);
+    scale_name_ = fp8_scale_name(name, block.scale_key);
+    const bool v4_names = block.scale_key == Fp8ScaleKey::Scale;
     scale_reader_ = weights.find(scale_name_);
     const int64_t want_r = (rows_ + block.rows - 1) / block.rows;
     const int64_t want_c = (cols_ + block.cols - 1) / block.cols;
     // Never an implicit scale of 1: FP8 bytes mean nothing without their block scales.
     MOE_CHECK(scale_reader_ != nullptr,
-              "{}: FP8 weight '{}' (F8_E4M3 {}) has no scale tensor '{}' (F32 [{}, {}]) in {}; "
+              "{}: FP8 weight '{}' (F8_E4M3 {}) has no scale tensor '{}' ({} [{}, {}]) in {}; "
               "FP8 weights cannot be used without their block scales", file, name,
-              shape_str(e.shape), scale_name_, want_r, want_c, weights.dir().string());
+              shape_str(e.shape), scale_name_, v4_names ? "F8_E8M0" : "F32", want_r, want_c,
+              weights.dir().string());
     scale_entry_ = &scale_reader_->entry(scale_name_);
     const SafetensorsEntry& se = *scale_entry_;
     const std::string sfile = scale_reader_->path().string();
     MOE_CHECK(se.dtype == "F32" || se.dtype == "BF16" || se.dtype == "F8_E8M0",
-              "{}: scale tensor '{}' of FP8 weight '{}' has dtype {}; expected F32 (or BF16, "
-              "F8_E8M0)", sfile, scale_name_, name, se.dtype);
+              "{}: scale tensor '{}' of FP8 weight '{}' has dtype {}; expected {}", sfile,
+              scale_name_, name, se.dtype,
+              v4_names ? "F8_E8M0 (or F32, BF16)" : "F32 (or BF16, F8_E8M0)");
     MOE_CHECK(se.shape == (Shape{want_r, want_c}),
               "{}: scale tensor '{}' of FP8 weight '{}' {} has shape {}; blocks of {}x{} "
               "(quantization_config.weight_block_size) need [ceil({}/{}), ceil({}/{})] = [{}, {}]",
@@ -144,7 +164,8 @@ WeightRows::WeightRows(const SafetensorsSet& weights, const std::string& name, F
               rows_, cols_ / mxfp4::kBlock);
   } else {
     fail("{}: tensor '{}' has dtype {}; a weight loads from F32, BF16, F8_E4M3 (with its "
-         "weight_scale_inv) or MXFP4 (I8 with its F8_E8M0 scale)", file, name, e.dtype);
+         "{}) or MXFP4 (I8 with its F8_E8M0 scale)", file, name, e.dtype,
+         fp8_scale_name(name, block.scale_key));
   }
 }
 

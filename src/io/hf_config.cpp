@@ -237,6 +237,14 @@ ModelConfig parse_v4_config(const json& j, const Fields& f, const std::string& s
   c.max_position_embeddings = f.int_or("max_position_embeddings", 1048576);
   parse_rope(f, source, c);
   parse_common_tail(j, f, source, c, 0, 1);
+  // The release describes its routed experts apart from quantization_config (which says fp8):
+  // "fp4" = packed MXFP4 (SPEC §6.3), kept packed by a load; "fp8" (128x128 blocks, as
+  // V4-Flash-Base ships them) and "bf16" are decoded into fp32 experts.
+  if (const std::string experts = f.string_or("expert_dtype", ""); experts == "fp4")
+    c.expert_format = "mxfp4";
+  else if (!experts.empty() && experts != "fp8" && experts != "bf16")
+    f.bad_value("expert_dtype", "\"fp4\" (packed MXFP4 experts), \"fp8\" or \"bf16\"",
+                json(experts));
   c.validate(source);
   return c;
 }
@@ -310,6 +318,7 @@ HfWeightsInfo parse_hf_weights_info(const json& j, const std::string& source) {
   MOE_CHECK(j.is_object(), "{}: config must be a JSON object, got {}", source, j.type_name());
   Fields f(j, source);
   HfWeightsInfo w;
+  w.model_type = f.string_or("model_type", "");
   w.num_hidden_layers = f.int_or("num_hidden_layers", 0);
   w.num_nextn_predict_layers = f.int_or("num_nextn_predict_layers", 0);
   if (w.num_nextn_predict_layers < 0)
@@ -353,7 +362,8 @@ HfWeightsInfo parse_hf_weights_info(const json& j, const std::string& source) {
 
 int64_t HfWeightsInfo::mtp_layer_of(const std::string& name) const {
   const std::string_view head = "model.layers.";
-  if (num_nextn_predict_layers <= 0 || !std::string_view(name).starts_with(head)) return -1;
+  if (v4() || num_nextn_predict_layers <= 0 || !std::string_view(name).starts_with(head))
+    return -1;
   const char* begin = name.data() + head.size();
   const char* end = name.data() + name.size();
   int64_t layer = 0;

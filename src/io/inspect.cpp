@@ -24,13 +24,45 @@ const char* tensor_kind_name(TensorKind k) {
     case TensorKind::RoutedExperts: return "routed experts";
     case TensorKind::Norms: return "norms";
     case TensorKind::Head: return "head";
+    case TensorKind::HyperConnections: return "hyper-conn.";
     case TensorKind::Mtp: return "MTP";
     case TensorKind::Unknown: return "unknown";
   }
   return "?";
 }
 
+namespace {
+
+// DeepSeek-V4's released names (SPEC §6.10).
+TensorKind v4_kind_of(std::string_view name) {
+  if (name == "embed.weight") return TensorKind::Embedding;
+  if (name == "head.weight") return TensorKind::Head;
+  if (name == "norm.weight") return TensorKind::Norms;
+  if (name.starts_with("hc_head_")) return TensorKind::HyperConnections;
+  const bool mtp = name.starts_with("mtp.");
+  if (name.find(".ffn.experts.") != std::string_view::npos) return TensorKind::RoutedExperts;
+  if (mtp) return TensorKind::Mtp;
+  const std::string_view head = "layers.";
+  if (!name.starts_with(head)) return TensorKind::Unknown;
+  std::string_view rest = name.substr(head.size());
+  const size_t dot = rest.find('.');
+  if (dot == 0 || dot == std::string_view::npos ||
+      !std::all_of(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(dot),
+                   [](char c) { return c >= '0' && c <= '9'; }))
+    return TensorKind::Unknown;
+  rest.remove_prefix(dot + 1);
+  if (rest.starts_with("hc_")) return TensorKind::HyperConnections;
+  if (rest.ends_with("norm.weight")) return TensorKind::Norms;
+  if (rest.starts_with("attn.")) return TensorKind::Attention;
+  if (rest.starts_with("ffn.gate.")) return TensorKind::Router;
+  if (rest.starts_with("ffn.shared_experts.")) return TensorKind::SharedExperts;
+  return TensorKind::Unknown;
+}
+
+}  // namespace
+
 TensorKind tensor_kind_of(const std::string& name, const HfWeightsInfo& info) {
+  if (info.v4()) return v4_kind_of(name);
   if (info.mtp_layer_of(name) >= 0) return TensorKind::Mtp;
   if (name == "model.embed_tokens.weight") return TensorKind::Embedding;
   if (name == "lm_head.weight") return TensorKind::Head;
@@ -54,7 +86,94 @@ TensorKind tensor_kind_of(const std::string& name, const HfWeightsInfo& info) {
   return TensorKind::Unknown;
 }
 
+namespace {
+
+// The order of DeepSeekV4Model::params() (model/v4/v4_model.h) with fp32 routed experts.
+std::vector<ExpectedTensor> expected_v4_tensors(const ModelConfig& c) {
+  std::vector<ExpectedTensor> out;
+  auto add = [&](std::string name, Shape shape, bool matrix) {
+    const TensorKind kind = v4_kind_of(name);
+    out.push_back({std::move(name), std::move(shape), kind, matrix, false});
+  };
+  auto vec = [&](const std::string& name, int64_t n) { add(name, {n}, false); };
+  auto mat = [&](const std::string& name, int64_t rows, int64_t cols) { add(name, {rows, cols}, true); };
+  const int64_t D = c.hidden_size, n = c.hc_mult, mix = (2 + n) * n;
+  const int64_t H = c.num_attention_heads, d = c.head_dim, I = c.moe_intermediate_size;
+  auto hc_site = [&](const std::string& key) {
+    add(key + "_fn", {mix, n * D}, false);
+    vec(key + "_base", mix);
+    vec(key + "_scale", 3);
+  };
+  auto compressor = [&](const std::string& p, int64_t head_dim, int64_t ratio) {
+    const int64_t features = (ratio == 4 ? 2 : 1) * head_dim;  // CSA windows overlap: coff 2
+    mat(p + "wkv.weight", features, D);
+    mat(p + "wgate.weight", features, D);
+    add(p + "ape", {ratio, features}, false);
+    vec(p + "norm.weight", head_dim);
+  };
+  auto swiglu = [&](const std::string& p, int64_t hidden) {
+    mat(p + "w1.weight", hidden, D);
+    mat(p + "w3.weight", hidden, D);
+    mat(p + "w2.weight", D, hidden);
+  };
+  auto block = [&](const std::string& p, int64_t layer) {
+    hc_site(p + "hc_attn");
+    vec(p + "attn_norm.weight", D);
+    const std::string a = p + "attn.";
+    mat(a + "wq_a.weight", c.q_lora_rank, D);
+    vec(a + "q_norm.weight", c.q_lora_rank);
+    mat(a + "wq_b.weight", H * d, c.q_lora_rank);
+    mat(a + "wkv.weight", d, D);
+    vec(a + "kv_norm.weight", d);
+    mat(a + "wo_a.weight", c.o_groups * c.o_lora_rank, H * d / c.o_groups);
+    mat(a + "wo_b.weight", D, c.o_groups * c.o_lora_rank);
+    vec(a + "attn_sink", H);
+    const int64_t ratio = c.compress_ratio(layer);
+    if (ratio > 0) compressor(a + "compressor.", d, ratio);
+    if (ratio == 4) {
+      mat(a + "indexer.wq_b.weight", c.index_n_heads * c.index_head_dim, c.q_lora_rank);
+      mat(a + "indexer.weights_proj.weight", c.index_n_heads, D);
+      compressor(a + "indexer.compressor.", c.index_head_dim, ratio);
+    }
+    hc_site(p + "hc_ffn");
+    vec(p + "ffn_norm.weight", D);
+    mat(p + "ffn.gate.weight", c.n_routed_experts, D);
+    if (layer < c.num_hash_layers) {
+      add(p + "ffn.gate.tid2eid", {c.vocab_size, c.num_experts_per_tok}, false);
+      out.back().ids = true;
+    } else {
+      vec(p + "ffn.gate.bias", c.n_routed_experts);
+    }
+    for (int64_t e = 0; e < c.n_routed_experts; ++e)
+      swiglu(fmt::format("{}ffn.experts.{}.", p, e), I);
+    if (c.n_shared_experts > 0) swiglu(p + "ffn.shared_experts.", I * c.n_shared_experts);
+  };
+  mat("embed.weight", c.vocab_size, D);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) block(fmt::format("layers.{}.", l), l);
+  add("hc_head_fn", {n, n * D}, false);
+  vec("hc_head_base", n);
+  vec("hc_head_scale", 1);
+  vec("norm.weight", D);
+  mat("head.weight", c.vocab_size, D);
+  if (c.num_nextn_predict_layers > 0) {
+    const std::string p = "mtp.0.";
+    vec(p + "enorm.weight", D);
+    vec(p + "hnorm.weight", D);
+    mat(p + "e_proj.weight", D, D);
+    mat(p + "h_proj.weight", D, D);
+    block(p, c.num_hidden_layers);
+    add(p + "hc_head_fn", {n, n * D}, false);
+    vec(p + "hc_head_base", n);
+    vec(p + "hc_head_scale", 1);
+    vec(p + "norm.weight", D);
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<ExpectedTensor> expected_tensors(const ModelConfig& c) {
+  if (c.is_v4()) return expected_v4_tensors(c);
   std::vector<ExpectedTensor> out;
   auto vec = [&](std::string name, int64_t n, TensorKind kind, bool optional = false) {
     out.push_back({std::move(name), {n}, kind, false, optional});
@@ -130,9 +249,6 @@ InspectReport inspect_model(const fs::path& dir) {
   InspectReport r;
   r.dir = dir;
   r.config = read_hf_config(dir);
-  // Its tensor kinds and expected keys are the V2/V3 layout's (transformers' names).
-  MOE_CHECK(!r.config.is_v4(), "{}: model_type \"deepseek_v4\": moe inspect does not read the "
-            "released DeepSeek-V4 layout yet", dir.string());
   r.info = read_hf_weights_info(dir);
   r.counts = count_params(r.config);
   const SafetensorsIndex index = read_safetensors_index(dir);
@@ -186,19 +302,21 @@ InspectReport inspect_model(const fs::path& dir) {
     if (fs::is_regular_file(dir / file, ec) && !by_name.contains(tensor))
       r.problems.push_back(fmt::format("{}: maps tensor '{}' to {}, which does not hold it",
                                        (dir / kSafetensorsIndexFile).string(), tensor, file));
-  // Scales take their weight's format.
+  // Scales take their weight's format (V4 names both FP8 and MXFP4 scales X.scale).
   for (InspectTensor& t : r.tensors) {
     const std::string fp8_weight = fp8_weight_of_scale_inv(t.name);
     if (!fp8_weight.empty()) {
       t.format = "fp8";
     } else if (t.name.ends_with(".scale") && (t.dtype == "F8_E8M0" || t.dtype == "U8")) {
-      t.format = "mxfp4";
+      const auto w = by_name.find(t.name.substr(0, t.name.size() - 6) + ".weight");
+      const bool fp8 = w != by_name.end() && r.tensors[w->second].dtype == "F8_E4M3";
+      t.format = fp8 ? "fp8" : "mxfp4";
     }
   }
 
   // Against the model the config describes.
   std::set<std::string> accounted;
-  const Fp8Block block{r.info.fp8_block_rows, r.info.fp8_block_cols};
+  const Fp8Block block = r.info.fp8_block();
   for (const ExpectedTensor& x : expected_tensors(r.config)) {
     const int64_t elements = shape_numel(x.shape);
     if (x.routed_expert()) {
@@ -224,6 +342,13 @@ InspectReport inspect_model(const fs::path& dir) {
     fs_stats.bytes += t.bytes;
     const int64_t cols = x.shape.back(), rows = x.matrix ? x.shape[0] : 1;
     r.load_transient_bytes = std::max(r.load_transient_bytes, cols * 4);
+    if (x.ids) {
+      if ((t.dtype != "I64" && t.dtype != "I32") || t.shape != x.shape)
+        r.problems.push_back(fmt::format("{}: {} {}; an id table loads from I64 or I32 {}",
+                                         where(t), t.dtype, shape_str(t.shape),
+                                         shape_str(x.shape)));
+      continue;
+    }
     if (t.dtype == "F32" || t.dtype == "BF16") {
       if (t.shape != x.shape)
         r.problems.push_back(fmt::format("{}: shape {}, the config implies {}", where(t),
@@ -236,7 +361,7 @@ InspectReport inspect_model(const fs::path& dir) {
       continue;
     }
     if (t.dtype == "F8_E4M3") {
-      const std::string scale = fp8_scale_inv_name(t.name);
+      const std::string scale = fp8_scale_name(t.name, block.scale_key);
       const Shape want_scale = {(rows + block.rows - 1) / block.rows,
                                 (cols + block.cols - 1) / block.cols};
       if (t.shape != x.shape)
@@ -252,9 +377,10 @@ InspectReport inspect_model(const fs::path& dir) {
       accounted.insert(s.name);
       fs_stats.bytes += s.bytes;
       if (s.shape != want_scale || !(s.dtype == "F32" || s.dtype == "BF16" || s.dtype == "F8_E8M0"))
-        r.problems.push_back(fmt::format("{}: scale of '{}' is {} {}; blocks of {}x{} need F32 {}",
+        r.problems.push_back(fmt::format("{}: scale of '{}' is {} {}; blocks of {}x{} need {} {}",
                                          where(s), t.name, s.dtype, shape_str(s.shape),
-                                         block.rows, block.cols, shape_str(want_scale)));
+                                         block.rows, block.cols, r.info.v4() ? "F8_E8M0" : "F32",
+                                         shape_str(want_scale)));
       r.load_transient_bytes = std::max(
           r.load_transient_bytes, fp8_chunk_bytes(rows, cols) + shape_numel(want_scale) * 4);
       continue;
@@ -285,8 +411,8 @@ InspectReport inspect_model(const fs::path& dir) {
       continue;
     }
     r.problems.push_back(fmt::format("{}: dtype {}; a weight loads from F32, BF16, F8_E4M3 (with "
-                                     "weight_scale_inv) or I8 + F8_E8M0 (MXFP4)", where(t),
-                                     t.dtype));
+                                     "{}) or I8 + F8_E8M0 (MXFP4)", where(t), t.dtype,
+                                     r.info.v4() ? ".scale" : "weight_scale_inv"));
   }
   r.experts = r.config.mxfp4_experts() ? "mxfp4" : "fp32";
   for (const InspectTensor& t : r.tensors) {
@@ -294,7 +420,7 @@ InspectReport inspect_model(const fs::path& dir) {
     ++k.tensors;
     k.bytes += t.bytes;
     ++k.dtypes[t.dtype];
-    if (t.kind == TensorKind::Mtp) {
+    if (t.kind == TensorKind::Mtp && !r.info.v4()) {  // V4's MTP module is part of the model
       ++r.mtp_tensors;
       continue;
     }
@@ -324,14 +450,9 @@ void list(std::string& out, const char* title, const std::vector<std::string>& i
   if (items.size() > limit) out += fmt::format("  ... and {} more\n", items.size() - limit);
 }
 
-}  // namespace
-
-std::string format_inspect_report(const InspectReport& r) {
+std::string format_v3_summary(const InspectReport& r) {
   const ModelConfig& c = r.config;
   std::string out;
-  out += fmt::format("model: {} ({}, {})\n", r.dir.string(), c.model_type,
-                     c.model_type == "deepseek_v2" ? "DeepseekV2ForCausalLM"
-                                                   : "DeepseekV3ForCausalLM");
   const int64_t dense = c.n_routed_experts ? std::min(c.first_k_dense_replace, c.num_hidden_layers)
                                            : c.num_hidden_layers;
   out += fmt::format("  layers {} ({} dense, {} MoE)", c.num_hidden_layers, dense,
@@ -360,18 +481,44 @@ std::string format_inspect_report(const InspectReport& r) {
                        c.num_experts_per_tok, c.scoring_func, c.topk_method, c.n_group,
                        c.n_group == 1 ? "" : "s", c.topk_group, c.norm_topk_prob ? "" : "not ",
                        c.routed_scaling_factor);
-  out += fmt::format("  parameters: {} total, {} active per token, {} in routed experts\n",
-                     count_str(r.counts.total), count_str(r.counts.active_per_token),
-                     count_str(r.counts.routed_expert));
-  std::string quant = "none";
-  if (r.info.quant_method == "fp8")
-    quant = fmt::format("fp8 (F8_E4M3, {}x{} blocks, scales {})", r.info.fp8_block_rows,
-                        r.info.fp8_block_cols,
-                        r.info.fp8_scale_fmt.empty() ? "F32" : "ue8m0: powers of two");
-  else if (r.info.quant_method == "mxfp4")
-    quant = "mxfp4 (routed experts packed)";
-  out += fmt::format("  quantization_config: {}; torch_dtype {}\n", quant, c.torch_dtype);
+  return out;
+}
 
+std::string format_v4_summary(const InspectReport& r) {
+  const ModelConfig& c = r.config;
+  int64_t csa = 0, hca = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    csa += c.compress_ratio(l) == 4;
+    hca += c.compress_ratio(l) != 4 && c.compress_ratio(l) > 0;
+  }
+  std::string out;
+  out += fmt::format("  layers {} (all MoE, the first {} hash-routed)", c.num_hidden_layers,
+                     std::min(c.num_hash_layers, c.num_hidden_layers));
+  if (c.num_nextn_predict_layers > 0)
+    out += fmt::format(" + {} MTP layer (mtp.0.*)", c.num_nextn_predict_layers);
+  out += fmt::format("; hidden {}, heads {}, vocab {}, {} hyper-connection streams\n",
+                     c.hidden_size, c.num_attention_heads, c.vocab_size, c.hc_mult);
+  out += fmt::format("  attention: one shared KV head of {} (rope {}), q_lora_rank {}, output {} "
+                     "groups x rank {}, sliding window {}; {} CSA layers (ratio 4, indexer "
+                     "top-{}), {} HCA, {} sliding only\n",
+                     c.head_dim, c.qk_rope_head_dim, c.q_lora_rank, c.o_groups, c.o_lora_rank,
+                     c.sliding_window, csa, c.index_topk, hca, c.num_hidden_layers - csa - hca);
+  out += fmt::format("  rope: theta {} (sliding layers), {} (compressed layers", c.rope_theta,
+                     c.compress_rope_theta);
+  if (c.rope_scaling.is_yarn())
+    out += fmt::format(", YaRN x{} on {}", c.rope_scaling.factor,
+                       c.rope_scaling.original_max_position_embeddings);
+  out += fmt::format("); max positions {}\n", c.max_position_embeddings);
+  out += fmt::format("  experts: {} routed (width {}) + {} shared, top-{}; {}, x{}, SwiGLU clamp "
+                     "{}\n",
+                     c.n_routed_experts, c.moe_intermediate_size, c.n_shared_experts,
+                     c.num_experts_per_tok, c.scoring_func, c.routed_scaling_factor,
+                     c.swiglu_limit);
+  return out;
+}
+
+std::string format_weights(const InspectReport& r) {
+  std::string out;
   out += fmt::format("weights: {} file{} ({}), {}, {} tensors\n", r.files.size(),
                      r.files.size() == 1 ? "" : "s",
                      r.sharded ? kSafetensorsIndexFile : kSafetensorsSingleFile,
@@ -426,6 +573,40 @@ std::string format_inspect_report(const InspectReport& r) {
   }
   out += fmt::format("  transient while loading     {} (one row, or one chunk of FP8 rows + "
                      "its scales)\n", format_bytes(r.load_transient_bytes));
+  return out;
+}
+
+}  // namespace
+
+std::string format_inspect_report(const InspectReport& r) {
+  const ModelConfig& c = r.config;
+  std::string out;
+  out += fmt::format("model: {} ({}, {})\n", r.dir.string(), c.model_type,
+                     c.is_v4()                       ? "DeepseekV4ForCausalLM"
+                     : c.model_type == "deepseek_v2" ? "DeepseekV2ForCausalLM"
+                                                     : "DeepseekV3ForCausalLM");
+  if (c.is_v4()) {
+    out += format_v4_summary(r);
+  } else {
+    out += format_v3_summary(r);
+  }
+  out += fmt::format("  parameters: {} total, {} active per token, {} in routed experts{}\n",
+                     count_str(r.counts.total), count_str(r.counts.active_per_token),
+                     count_str(r.counts.routed_expert),
+                     r.counts.mtp > 0 ? fmt::format(" (+ {} in the MTP layer)", count_str(r.counts.mtp))
+                                      : std::string());
+  std::string quant = "none";
+  if (r.info.quant_method == "fp8")
+    quant = fmt::format("fp8 (F8_E4M3, {}x{} blocks, scales {})", r.info.fp8_block_rows,
+                        r.info.fp8_block_cols,
+                        r.info.v4()                    ? "F8_E8M0 X.scale"
+                        : r.info.fp8_scale_fmt.empty() ? "F32"
+                                                       : "ue8m0: powers of two");
+  else if (r.info.quant_method == "mxfp4")
+    quant = "mxfp4 (routed experts packed)";
+  out += fmt::format("  quantization_config: {}; torch_dtype {}{}\n", quant, c.torch_dtype,
+                     c.is_v4() ? fmt::format("; routed experts {} (config)", r.experts) : "");
+  out += format_weights(r);
   return out;
 }
 

@@ -16,22 +16,26 @@
 namespace moe {
 
 enum class TensorKind {
-  Embedding, Attention, DenseMlp, Router, SharedExperts, RoutedExperts, Norms, Head, Mtp, Unknown
+  Embedding, Attention, DenseMlp, Router, SharedExperts, RoutedExperts, Norms, Head,
+  HyperConnections, Mtp, Unknown
 };
 const char* tensor_kind_name(TensorKind k);
 // By name: model.embed_tokens, model.layers.L.self_attn.*, ... (MTP layers per `info`); scales
-// (`weight_scale_inv`, MXFP4 `.scale`) share their weight's kind.
+// (`weight_scale_inv`, MXFP4 `.scale`) share their weight's kind. DeepSeek-V4 (info.v4()):
+// embed, head, layers.L.{hc_*, attn.*, ffn.gate.*, ffn.shared_experts.*, ffn.experts.*, norms},
+// hc_head_*, and the MTP module mtp.0.* (kind Mtp, except its routed experts: RoutedExperts).
 TensorKind tensor_kind_of(const std::string& name, const HfWeightsInfo& info);
 
 // One tensor of the model a config describes, in the engine's parameter order (the order of
-// DeepSeekModel::params() with fp32 routed experts; packed experts add a `.scale` after each
-// weight).
+// DeepSeekModel::params(), or DeepSeekV4Model::params() for model_type deepseek_v4, with fp32
+// routed experts; packed experts add a `.scale` after each weight).
 struct ExpectedTensor {
   std::string name;
   Shape shape;        // matrices: the unpacked [out, in]
   TensorKind kind;
-  bool matrix = false;    // a linear weight: may be F32, BF16, F8_E4M3 (+ scale_inv) on disk
+  bool matrix = false;    // a linear weight: may be F32, BF16, F8_E4M3 (+ its scale) on disk
   bool optional = false;  // mlp.gate.e_score_correction_bias (absent in V2: zeros)
+  bool ids = false;       // an id table (V4's gate.tid2eid): I64 or I32 on disk
   bool routed_expert() const { return kind == TensorKind::RoutedExperts; }
 };
 std::vector<ExpectedTensor> expected_tensors(const ModelConfig& cfg);
@@ -70,7 +74,7 @@ struct InspectReport {
   // Each entry names the tensor (and its file where there is one).
   std::vector<std::string> missing, unexpected, problems;
   std::vector<std::string> notes;  // e.g. absent router biases (loaded as zeros)
-  int64_t mtp_tensors = 0;
+  int64_t mtp_tensors = 0;  // V2/V3: tensors of the MTP layers, which a load skips
   // What a load needs for the weights, in the engine's formats: everything fp32 but routed
   // experts, which are fp32 or MXFP4 (4.25 bits per weight); `experts` is what the config asks.
   int64_t nonexpert_bytes = 0, experts_fp32_bytes = 0, experts_mxfp4_bytes = 0;

@@ -12,7 +12,7 @@ QuantizeReport quantize_model_experts(const std::filesystem::path& in,
                                       const std::function<void(const QuantizeLayerStats&)>& on_layer) {
   const ModelConfig cfg = read_hf_config(in);
   MOE_CHECK(!cfg.mxfp4_experts(), "{}: the routed experts are already MXFP4 (config.json "
-            "quantization_config)", in.string());
+            "quantization_config, or DeepSeek-V4's expert_dtype \"fp4\")", in.string());
   MOE_CHECK(cfg.n_routed_experts > 0, "{}: the model has no routed experts to quantize",
             in.string());
   ConvertOptions opt;
