@@ -368,6 +368,11 @@ TEST(LoraModel, TargetSelectionFollowsPeftAndRejectsWhatMatchesNothing) {
   EXPECT_NE(error_of([&] { count(s); }).find("matches no module"), std::string::npos);
   s.target_regex = "(";
   EXPECT_NE(error_of([&] { count(s); }).find("not a regular expression"), std::string::npos);
+  s.target_regex.clear();
+  s.targets = {"q_a_proj"};
+  s.target_parameters = {"mlp.experts.gate_up_proj"};  // DeepSeek-V4's fused experts only
+  EXPECT_NE(error_of([&] { count(s); }).find("target_parameters name DeepSeek-V4's fused"),
+            std::string::npos);
 }
 
 
@@ -505,7 +510,8 @@ TEST(PeftAdapter, ConfigRoundTripAndUnsupportedFeaturesAreErrors) {
   EXPECT_NE(err("lora_bias", true).find("lora_bias"), std::string::npos);
   EXPECT_NE(err("exclude_modules", {"o_proj"}).find("exclude_modules"), std::string::npos);
   EXPECT_NE(err("layers_to_transform", {0, 1}).find("layer selection"), std::string::npos);
-  EXPECT_NE(err("target_parameters", {"mlp.experts.gate_up_proj"}).find("target_parameters"),
+  // Fused expert parameters are DeepSeek-V4's (tests/test_v4_lora.cpp); other ones are refused.
+  EXPECT_NE(err("target_parameters", {"mlp.experts.gate_up"}).find("target_parameters"),
             std::string::npos);
   EXPECT_NE(err("rank_pattern", {{"o_proj", 4}}).find("only {\""), std::string::npos);
   EXPECT_NE(err("peft_type", "LOHA").find("expected \"LORA\""), std::string::npos);

@@ -4,6 +4,7 @@
 #include "cli/commands.h"
 #include "infer/generation.h"
 #include "model/latent_kv_cache.h"
+#include "model/v4/v4_cache.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/parallel.h"
@@ -25,8 +26,7 @@ std::string human_count(int64_t n) {
 }
 
 // DeepSeek-V4's own parts (SPEC §6): attention layout, compressed layers, hash routing, mHC,
-// MTP, and what its KV state takes. (V4 has no MLA latent cache; the engine has no V4 inference
-// cache yet, so the figures plan one: fp32 entries, as the V3 cache keeps.)
+// MTP, and its inference cache (model/v4/v4_cache.h).
 void print_v4_info(const ModelConfig& c, const ParamCounts& p) {
   int64_t sliding = 0, csa = 0, hca = 0;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
@@ -43,17 +43,13 @@ void print_v4_info(const ModelConfig& c, const ParamCounts& p) {
   if (c.num_nextn_predict_layers > 0)
     fmt::print("MTP              {} layer(s), {} parameters ({}) besides the total\n",
                c.num_nextn_predict_layers, human_count(p.mtp), p.mtp);
-  // Per token: a main entry of head_dim per `ratio` tokens, and for CSA an indexer key of
-  // index_head_dim per 4 tokens.
-  double entry_bytes = 0;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const int64_t r = c.compress_ratio(l);
-    if (r > 0) entry_bytes += 4.0 * static_cast<double>(c.head_dim) / static_cast<double>(r);
-    if (r == 4) entry_bytes += 4.0 * static_cast<double>(c.index_head_dim) / 4.0;
-  }
-  const int64_t window_bytes = c.num_hidden_layers * c.sliding_window * c.head_dim * 4;
-  fmt::print("V4 KV state      {:.0f} B per token (compressed entries, fp32, all layers) + {} per "
-             "sequence (the sliding windows)\n", entry_bytes, format_bytes(window_bytes));
+  const int64_t slots = EngineOptions{}.max_sequences, context = default_context(c);
+  fmt::print("V4 KV cache      {:.0f} B per token (compressed entries and indexer keys, fp32, all "
+             "layers) + {} per sequence (window and compressor-state rings); {} for {} sequences "
+             "x {} positions (moe serve's default --slots, --context)\n",
+             V4KvCache::entry_bytes_per_token(c),
+             format_bytes(V4KvCache::ring_bytes_per_sequence(c)),
+             format_bytes(V4KvCache::bytes_for(c, slots, context)), slots, context);
 }
 
 // What a LoRA fine-tune of a V4 model holds per rank before activations, at EP `ep` with rank

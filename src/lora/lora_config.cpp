@@ -28,13 +28,17 @@ void LoraSettings::validate(const std::string& section) const {
             expert_alpha);
   MOE_CHECK(dropout >= 0 && dropout < 1, "{}.dropout = {}: expected a probability in [0, 1)",
             section, dropout);
-  MOE_CHECK(!targets.empty() || !target_regex.empty(),
+  MOE_CHECK(!targets.empty() || !target_regex.empty() || !target_parameters.empty(),
             "{}.targets: empty; name at least one module (e.g. \"q_a_proj\") or \"all-linear\"",
             section);
   for (const std::string& t : targets)
     MOE_CHECK(!t.empty() && t.front() != '.' && t.back() != '.',
               "{}.targets: \"{}\" is not a module name (expected e.g. \"o_proj\" or "
               "\"self_attn.o_proj\")", section, t);
+  for (const std::string& t : target_parameters)
+    MOE_CHECK(!t.empty() && t.front() != '.' && t.back() != '.',
+              "{}.target_parameters: \"{}\" is not a parameter name (expected e.g. "
+              "\"mlp.experts.gate_up_proj\")", section, t);
   if (!target_regex.empty()) {
     try {
       std::regex re(target_regex);
@@ -46,7 +50,9 @@ void LoraSettings::validate(const std::string& section) const {
 }
 
 LoraTargetMatcher::LoraTargetMatcher(const LoraSettings& settings)
-    : s_(settings), used_(settings.targets.size(), false) {}
+    : s_(settings),
+      used_(settings.targets.size(), false),
+      parameter_used_(settings.target_parameters.size(), false) {}
 
 namespace {
 
@@ -55,7 +61,17 @@ bool is_linear_module(const std::string& module) {
   return module.rfind("model.layers.", 0) == 0;
 }
 
+constexpr const char* kV3ModuleHint =
+    "modules are q_proj or q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, gate_proj, "
+    "up_proj, down_proj, with prefixes like self_attn., mlp., mlp.shared_experts., mlp.experts.N.";
+
 }  // namespace
+
+bool target_selects(const std::string& target, const std::string& name) {
+  return name == target ||
+         (name.size() > target.size() && name.ends_with(target) &&
+          name[name.size() - target.size() - 1] == '.');
+}
 
 bool LoraTargetMatcher::matches(const std::string& module) {
   if (!s_.target_regex.empty()) {
@@ -66,28 +82,51 @@ bool LoraTargetMatcher::matches(const std::string& module) {
   bool hit = false;
   for (size_t i = 0; i < s_.targets.size(); ++i) {
     const std::string& t = s_.targets[i];
-    const bool m = t == "all-linear"
-                       ? is_linear_module(module)
-                       : module == t || (module.size() > t.size() &&
-                                         module.compare(module.size() - t.size(), t.size(), t) == 0 &&
-                                         module[module.size() - t.size() - 1] == '.');
+    const bool m = t == "all-linear" ? is_linear_module(module) : target_selects(t, module);
     if (m) used_[i] = true, hit = true;
   }
   return hit;
 }
 
-void LoraTargetMatcher::check_all_used(const std::string& section) const {
-  if (!s_.target_regex.empty()) {
-    MOE_CHECK(regex_used_, "{}.target_regex: \"{}\" matches no module of this model (names look "
-              "like model.layers.0.self_attn.o_proj or model.layers.1.mlp.experts.0.up_proj)",
-              section, s_.target_regex);
-    return;
-  }
-  for (size_t i = 0; i < s_.targets.size(); ++i)
-    MOE_CHECK(used_[i], "{}.targets: \"{}\" matches no module of this model (modules are "
-              "q_proj or q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, gate_proj, "
-              "up_proj, down_proj, with prefixes like self_attn., mlp., mlp.shared_experts., "
-              "mlp.experts.N.)", section, s_.targets[i]);
+bool LoraTargetMatcher::matches_parameter(const std::string& parameter) {
+  bool hit = false;
+  for (size_t i = 0; i < s_.target_parameters.size(); ++i)
+    if (target_selects(s_.target_parameters[i], parameter)) parameter_used_[i] = true, hit = true;
+  return hit;
+}
+
+bool LoraTargetMatcher::names(const std::string& module) const {
+  if (!s_.target_regex.empty()) return std::regex_match(module, std::regex(s_.target_regex));
+  for (const std::string& t : s_.targets)
+    if (t != "all-linear" && target_selects(t, module)) return true;
+  return false;
+}
+
+std::optional<LoraTargetMatcher::Unused> LoraTargetMatcher::first_unused() const {
+  if (!s_.target_regex.empty() && !regex_used_) return Unused{"target_regex", s_.target_regex};
+  if (s_.target_regex.empty())
+    for (size_t i = 0; i < s_.targets.size(); ++i)
+      if (!used_[i]) return Unused{"targets", s_.targets[i]};
+  for (size_t i = 0; i < s_.target_parameters.size(); ++i)
+    if (!parameter_used_[i]) return Unused{"target_parameters", s_.target_parameters[i]};
+  return std::nullopt;
+}
+
+void LoraTargetMatcher::check_all_used(const std::string& section,
+                                       const std::string& module_hint) const {
+  const std::optional<Unused> unused = first_unused();
+  if (!unused) return;
+  const std::string hint = module_hint.empty() ? kV3ModuleHint : module_hint;
+  if (unused->field == "target_regex")
+    fail("{}.target_regex: \"{}\" matches no module of this model (names look like "
+         "model.layers.0.self_attn.o_proj or model.layers.1.mlp.experts.0.up_proj; {})", section,
+         unused->entry, hint);
+  if (unused->field == "target_parameters" && module_hint.empty())
+    fail("{}.target_parameters: \"{}\" matches no parameter of this model (target_parameters "
+         "name DeepSeek-V4's fused routed experts; DeepSeek-V2/V3 adapts its routed experts by "
+         "module name, e.g. mlp.experts.N.gate_proj)", section, unused->entry);
+  fail("{}.{}: \"{}\" matches no {} of this model ({})", section, unused->field, unused->entry,
+       unused->field == "targets" ? "module" : "parameter", hint);
 }
 
 }  // namespace moe

@@ -3,6 +3,7 @@
 // the target modules, named by Hugging Face module names such as
 // "model.layers.3.self_attn.q_a_proj" or "model.layers.3.mlp.experts.17.gate_proj".
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,11 +18,17 @@ struct LoraSettings {
   bool rslora = false;  // s = alpha / √r instead of alpha / r
   // PEFT's target_modules as a list: a module is adapted when its name equals an entry or ends
   // with "." + entry; "all-linear" adapts every linear layer (attention projections, dense and
-  // shared-expert MLPs, routed experts; not the router or the LM head, as in PEFT).
+  // shared-expert MLPs, routed experts; not the router or the LM head, as in PEFT; for
+  // DeepSeek-V4 model/v4/v4_lora.h lists what is never adapted).
   std::vector<std::string> targets = {"all-linear"};
   // PEFT's target_modules as one string: a regular expression the whole module name must match
   // (re.fullmatch). Takes the place of `targets` when not empty.
   std::string target_regex;
+  // PEFT's target_parameters: 3-D parameters adapted as a whole, matched like `targets` entries
+  // (equal, or a suffix after a "."). Only DeepSeek-V4 has them: Hugging Face's deepseek_v4
+  // holds each layer's routed experts fused, model.layers.L.mlp.experts.gate_up_proj (adapts
+  // the experts' gate and up projections) and .down_proj (SPEC §8.1, §8.5).
+  std::vector<std::string> target_parameters;
   // Routed experts may take their own rank and alpha (PEFT's rank_pattern / alpha_pattern):
   // 0 means r / alpha.
   int64_t expert_r = 0;
@@ -44,13 +51,30 @@ class LoraTargetMatcher {
  public:
   explicit LoraTargetMatcher(const LoraSettings& settings);
   bool matches(const std::string& module);
-  // Raises naming the first list entry that matched no module (or the regex, if it matched none).
-  void check_all_used(const std::string& section) const;
+  // A fused 3-D parameter (target_parameters), e.g. "model.layers.3.mlp.experts.gate_up_proj".
+  bool matches_parameter(const std::string& parameter);
+  // Whether a target names `module` on purpose: a list entry other than "all-linear", or the
+  // regex. Nothing is marked used: for modules the model refuses to adapt.
+  bool names(const std::string& module) const;
+
+  // The first setting that matched nothing: its field ("targets", "target_regex" or
+  // "target_parameters") and value.
+  struct Unused {
+    std::string field, entry;
+  };
+  std::optional<Unused> first_unused() const;
+  // Raises naming the first list entry that matched no module (or the regex, if it matched
+  // none). `module_hint`: what the model's module names look like (default: DeepSeek-V2/V3's).
+  void check_all_used(const std::string& section, const std::string& module_hint = {}) const;
 
  private:
   const LoraSettings& s_;
-  std::vector<bool> used_;
+  std::vector<bool> used_, parameter_used_;
   bool regex_used_ = false;
 };
+
+// Whether a PEFT target entry selects a module or parameter name: the name itself, or a suffix
+// of it after a ".".
+bool target_selects(const std::string& target, const std::string& name);
 
 }  // namespace moe

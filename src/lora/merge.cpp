@@ -14,7 +14,10 @@
 #include "io/safetensors.h"
 #include "kernels/mxfp4.h"
 #include "lora/peft_adapter.h"
-#include "model/model.h"
+#include "model/causal_lm.h"
+#include "model/v4/v4_lora.h"
+#include "moe/moe_layer.h"
+#include "parallel/ep_training.h"
 
 namespace moe {
 
@@ -195,7 +198,7 @@ void check_scales(CausalLM& model, const LoraSettings& settings) {
       for (const Linear* lin : {&shared->gate, &shared->up, &shared->down})
         MOE_CHECK(!lin->lora || same(lin->lora->shape(), other),
                   "merge_lora_into_base: {}'s adapter has rank {} and scale {}, the settings say "
-                  "rank {} and scale {}", lin->module_name(), lin->lora->shape().rank,
+                  "rank {} and scale {}", lin->lora->module(), lin->lora->shape().rank,
                   lin->lora->shape().scale, other.rank, other.scale);
   }
 }
@@ -232,9 +235,12 @@ MergeReport merge_lora_into_base(CausalLM& model, const LoraSettings& settings) 
     MOE_CHECK(bit != lora.end(), "merge_lora_into_base: adapter of {} has lora_A but no lora_B",
               module);
     const Param& b = *bit->second;
-    const auto wit = base.find(module + ".weight");
+    // DeepSeek-V4 keeps its released key names; adapters carry Hugging Face's module names.
+    const std::string weight_name =
+        model.config().is_v4() ? v4_weight_of_hf_module(module) : module + ".weight";
+    const auto wit = base.find(weight_name);
     MOE_CHECK(wit != base.end(), "merge_lora_into_base: adapter of {} adapts no base weight "
-              "(no parameter '{}.weight')", module, module);
+              "(no parameter '{}')", module, weight_name.empty() ? module : weight_name);
     Param& w = *wit->second;
     const LoraShape shape = settings.shape_for(is_routed_expert_module(module));
     const int64_t r = a->value.dim(0), in = a->value.dim(1), out = b.value.dim(0);
@@ -292,10 +298,9 @@ AttachedAdapter attach_peft_adapter(const fs::path& adapter_dir, const fs::path&
   AttachedAdapter out;
   out.settings = read_peft_adapter_config(adapter_dir);
   model.add_lora(out.settings, 0, (adapter_dir / kAdapterConfigFile).string());
-  load_peft_adapter_weights(adapter_dir, model.lora_params());
   // Every tensor of the file must have been used.
-  std::set<std::string_view> used;
-  for (const Param* p : model.lora_params()) used.insert(p->name);
+  const std::set<std::string> used = load_peft_adapter_weights(
+      adapter_dir, model.lora_params(), model.config().n_routed_experts);
   const fs::path file = adapter_dir / kAdapterWeightsFile;
   const SafetensorsReader reader(file);
   for (const SafetensorsEntry& e : reader.entries())
@@ -338,7 +343,7 @@ ModelConfig config_for_adapter(const ModelConfig& base, const fs::path& adapter_
 
 void round_experts_through_mxfp4(const ParamList& params) {
   for (Param* p : params) {
-    if (p->format != ParamFormat::F32 || !is_routed_expert_module(p->name)) continue;
+    if (p->format != ParamFormat::F32 || !is_routed_expert_param(p->name)) continue;
     MOE_CHECK(p->value.ndim() == 2 && p->value.dim(1) % mxfp4::kBlock == 0,
               "round_experts_through_mxfp4: '{}' is {}; MXFP4 needs [out, in] with in divisible "
               "by 32", p->name, shape_str(p->value.shape()));
@@ -364,7 +369,7 @@ void load_weights_decoding_experts(const fs::path& model_dir, const ParamList& p
   ParamList rest;
   for (Param* p : params) {
     const SafetensorsReader* reader =
-        p->format == ParamFormat::F32 && is_routed_expert_module(p->name) ? weights.find(p->name)
+        p->format == ParamFormat::F32 && is_routed_expert_param(p->name) ? weights.find(p->name)
                                                                            : nullptr;
     const SafetensorsEntry* e = reader ? &reader->entry(p->name) : nullptr;
     if (e == nullptr || (e->dtype != "I8" && e->dtype != "U8")) {

@@ -58,7 +58,8 @@ struct MergeReport {
 // give each adapter's s) into the base weight it adapts, fp32 or MXFP4 (re-quantized, above),
 // then drops the adapters: model.has_lora() is false afterwards and lora_params() empty.
 // The model keeps no reference from an adapter Param to its module, so the pairing is by PEFT
-// name: base_model.model.<module>.lora_{A,B}.weight adapts <module>.weight; shapes are checked.
+// name: base_model.model.<module>.lora_{A,B}.weight adapts <module>.weight (DeepSeek-V4: the
+// released key of that Hugging Face module, v4_weight_of_hf_module); shapes are checked.
 MergeReport merge_lora_into_base(CausalLM& model, const LoraSettings& settings);
 
 // An adapter directory attached to a loaded base for inference (moe sample / logits / merge

@@ -37,6 +37,51 @@ struct WindowSlots {
   }
 };
 
+// One slot of a window: its c and z features (already at the slot's half), its ape row, and
+// where its softmax weights go (null: nowhere).
+struct PoolSlot {
+  const float* c;
+  const float* z;
+  const float* ape;
+  float* weights;
+};
+
+// pooled [d] = Σ_s softmax_s(z_s + ape_s)·c_s, a softmax per feature, over slot_at(0..n-1) in
+// that order. The training forward and the cached one both pool through here, so an entry has
+// the same bits whichever built it. scratch: (n + 2)·d floats.
+template <class SlotAt>
+void pool_window(const SlotAt& slot_at, int64_t n, int64_t d, float* scratch, float* pooled) {
+  float* e = scratch;
+  float* mx = e + n * d;
+  float* sum = mx + d;
+  for (int64_t s = 0; s < n; ++s) {
+    const PoolSlot slot = slot_at(s);
+    float* es = e + s * d;
+    for (int64_t f = 0; f < d; ++f) es[f] = slot.z[f] + slot.ape[f];
+  }
+  std::copy(e, e + d, mx);
+  for (int64_t s = 1; s < n; ++s)
+    for (int64_t f = 0; f < d; ++f) mx[f] = std::max(mx[f], e[s * d + f]);
+  for (int64_t s = 0; s < n; ++s) {
+    float* es = e + s * d;
+    for (int64_t f = 0; f < d; ++f) es[f] -= mx[f];
+    exp_shift_sum(es, d, 0.0f);  // es = exp(es) (the returned row sum is not needed)
+  }
+  std::copy(e, e + d, sum);
+  for (int64_t s = 1; s < n; ++s)
+    for (int64_t f = 0; f < d; ++f) sum[f] += e[s * d + f];
+  std::fill(pooled, pooled + d, 0.0f);
+  for (int64_t s = 0; s < n; ++s) {
+    const PoolSlot slot = slot_at(s);
+    const float* es = e + s * d;
+    for (int64_t f = 0; f < d; ++f) {
+      const float p = es[f] / sum[f];
+      if (slot.weights) slot.weights[f] = p;
+      pooled[f] += p * slot.c[f];
+    }
+  }
+}
+
 }  // namespace
 
 void V4Compressor::init(const std::string& prefix, const V4CompressorDims& dims) {
@@ -83,40 +128,13 @@ void V4Compressor::pool(const float* c, float* zp, float* pooled, int64_t batch,
   const ThreadSlabs slabs((max_slots + 2) * d);
   parallel_for(0, batch * W, [&](int64_t wi) {
     const WindowSlots ws{wi, ratio, F, overlap() ? d : 0, overlap() && wi % W > 0};
-    const int64_t n = ws.count();
-    float* e = slabs.mine();
-    float* mx = e + max_slots * d;
-    float* sum = mx + d;
-    for (int64_t s = 0; s < n; ++s) {
-      const float* zs = zp + ws.row_at(s);
-      const float* as = a + ws.ape_at(s);
-      float* es = e + s * d;
-      for (int64_t f = 0; f < d; ++f) es[f] = zs[f] + as[f];
-    }
-    std::copy(e, e + d, mx);
-    for (int64_t s = 1; s < n; ++s)
-      for (int64_t f = 0; f < d; ++f) mx[f] = std::max(mx[f], e[s * d + f]);
-    for (int64_t s = 0; s < n; ++s) {
-      float* es = e + s * d;
-      for (int64_t f = 0; f < d; ++f) es[f] -= mx[f];
-      exp_shift_sum(es, d, 0.0f);  // es = exp(es) (the returned row sum is not needed)
-    }
-    std::copy(e, e + d, sum);
-    for (int64_t s = 1; s < n; ++s)
-      for (int64_t f = 0; f < d; ++f) sum[f] += e[s * d + f];
-    float* out = pooled + wi * d;
-    std::fill(out, out + d, 0.0f);
-    for (int64_t s = 0; s < n; ++s) {
-      const int64_t at = ws.row_at(s);
-      const float* es = e + s * d;
-      const float* cs = c + at;
-      float* ps = zp + at;
-      for (int64_t f = 0; f < d; ++f) {
-        const float p = es[f] / sum[f];
-        ps[f] = p;
-        out[f] += p * cs[f];
-      }
-    }
+    // The weights go over z: each element of z belongs to at most one window.
+    pool_window(
+        [&](int64_t s) {
+          const int64_t at = ws.row_at(s);
+          return PoolSlot{c + at, zp + at, a + ws.ape_at(s), zp + at};
+        },
+        ws.count(), d, slabs.mine(), pooled + wi * d);
   });
 }
 
@@ -127,13 +145,12 @@ Tensor V4Compressor::entry_positions(int64_t batch, int64_t W) const {
   return pos;
 }
 
-void V4Compressor::finish(const float* pooled, float* entries, int64_t batch, int64_t W) const {
-  const int64_t rows = batch * W;
+void V4Compressor::finish(const float* pooled, float* entries, int64_t rows,
+                          const Tensor& positions) const {
   rmsnorm_forward(pooled, norm.weight.w(), entries, nullptr, rows, head_dim, norm.eps);
   if (rope_dim == 0 || rows == 0) return;
-  // An entry sits at its window's first token, w·ratio (the reference's freqs_cis[:cutoff:ratio]).
-  const Tensor pos = entry_positions(batch, W);
-  rope_forward(*rope_, entries + (head_dim - rope_dim), rows, 1, head_dim, head_dim, pos.i32());
+  rope_forward(*rope_, entries + (head_dim - rope_dim), rows, 1, head_dim, head_dim,
+               positions.i32());
 }
 
 CompressedKv V4Compressor::forward(const Tensor& x, const BatchShape& shape, Pass pass,
@@ -154,7 +171,8 @@ CompressedKv V4Compressor::forward(const Tensor& x, const BatchShape& shape, Pas
     Tensor pooled = activation({B * W, head_dim});
     project(x, shape, c.f32(), z.f32());
     pool(c.f32(), z.f32(), pooled.f32(), B, W);
-    finish(pooled.f32(), out.entries.f32(), B, W);
+    // An entry sits at its window's first token, w·ratio (the reference's freqs_cis[:cutoff:ratio]).
+    finish(pooled.f32(), out.entries.f32(), B * W, entry_positions(B, W));
   }
   if (needs_backward(pass)) {
     if (save_input == SaveInput::Yes) saved_x_ = x;
@@ -162,6 +180,88 @@ CompressedKv V4Compressor::forward(const Tensor& x, const BatchShape& shape, Pas
     pending_ = true;
   }
   return out;
+}
+
+void V4Compressor::forward_cached(const Tensor& x, std::span<const CachedChunk> chunks,
+                                  const V4CompressorCache& cache) {
+  MOE_CHECK(x.ndim() == 2 && x.dim(1) == dim, "{}: expected input [T, {}], got {}", wkv.name, dim,
+            shape_str(x.shape()));
+  MOE_CHECK(rope_dim == 0 || (rope_ != nullptr && rope_->dim() == rope_dim),
+            "{}: needs a RoPE table of {} dims (share_rope before forward)", wkv.name, rope_dim);
+  const int64_t T = x.dim(0), d = head_dim, F = features(), R = cache.state_rows;
+  const std::vector<int64_t> first = chunk_first_rows(chunks, T, wkv.name);
+  if (T == 0) return;
+  // c and z of every new row: a GEMM row's bits do not depend on the other rows, so these are
+  // the training forward's values for the same tokens.
+  Tensor c = activation({T, F}), z = activation({T, F});
+  gemm_nt(T, F, dim, x.f32(), dim, wkv.w(), dim, c.f32(), F, false);
+  gemm_nt(T, F, dim, x.f32(), dim, wgate.w(), dim, z.f32(), F, false);
+
+  // The windows that complete within a chunk (and fit the cache), in chunk then window order.
+  struct Done {
+    size_t chunk;
+    int64_t window;
+  };
+  std::vector<Done> done;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const CachedChunk& ch = chunks[i];
+    const int64_t end = std::min(ch.past + ch.count, cache.max_entries * ratio);
+    for (int64_t w = ch.past / ratio; (w + 1) * ratio <= end; ++w) done.push_back({i, w});
+  }
+  const int64_t n_done = static_cast<int64_t>(done.size());
+  if (n_done > 0) {
+    Tensor pooled = activation({n_done, d}), entries = activation({n_done, d});
+    Tensor positions = Tensor::empty({n_done}, DType::I32, MemCategory::Activations);
+    const int64_t own_off = overlap() ? d : 0, max_slots = coff() * ratio;
+    const float* a = ape.w();
+    const ThreadSlabs slabs((max_slots + 2) * d);
+    parallel_for(0, n_done, [&](int64_t k) {
+      const CachedChunk& ch = chunks[done[static_cast<size_t>(k)].chunk];
+      const int64_t w = done[static_cast<size_t>(k)].window;
+      const int64_t row0 = first[done[static_cast<size_t>(k)].chunk];
+      // Position p's projections: this forward's row, or the ring's for earlier positions (a
+      // completing window reaches back at most 2·ratio - 1 positions, all still in the ring).
+      auto features_at = [&](const float* fresh, const float* ring, int64_t p) {
+        return p >= ch.past ? fresh + (row0 + p - ch.past) * F
+                            : ring + (ch.slot * R + p % R) * F;
+      };
+      // forward()'s slot order: CSA the previous window's tokens (first half) before the
+      // window's own (second half); HCA the window's tokens.
+      const bool has_prev = overlap() && w > 0;
+      pool_window(
+          [&](int64_t s) {
+            const bool prev = has_prev && s < ratio;
+            const int64_t j = prev ? s : has_prev ? s - ratio : s;
+            const int64_t p = (prev ? w - 1 : w) * ratio + j;
+            const int64_t off = prev ? 0 : own_off;
+            return PoolSlot{features_at(c.f32(), cache.kv_state, p) + off,
+                            features_at(z.f32(), cache.gate_state, p) + off,
+                            a + j * F + off, nullptr};
+          },
+          has_prev ? 2 * ratio : ratio, d, slabs.mine(), pooled.f32() + k * d);
+      positions.i32()[k] = static_cast<int32_t>(w * ratio);
+    });
+    if (rope_dim > 0) {
+      int64_t last = 0;
+      for (const Done& dn : done) last = std::max(last, dn.window);
+      rope_->ensure(last * ratio + 1);
+    }
+    finish(pooled.f32(), entries.f32(), n_done, positions);
+    for (int64_t k = 0; k < n_done; ++k) {
+      const Done& dn = done[static_cast<size_t>(k)];
+      std::copy_n(entries.f32() + k * d, d,
+                  cache.entries + (chunks[dn.chunk].slot * cache.max_entries + dn.window) * d);
+    }
+  }
+  // The ring takes each chunk's latest rows only after the pooling above read the older ones.
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const CachedChunk& ch = chunks[i];
+    for (int64_t p = std::max(ch.past, ch.past + ch.count - R); p < ch.past + ch.count; ++p) {
+      const int64_t from = (first[i] + p - ch.past) * F, to = (ch.slot * R + p % R) * F;
+      std::copy_n(c.f32() + from, F, cache.kv_state + to);
+      std::copy_n(z.f32() + from, F, cache.gate_state + to);
+    }
+  }
 }
 
 void V4Compressor::backward(const Tensor& d_entries, const Tensor& dx) {

@@ -36,12 +36,14 @@
 // entries the same way.
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "model/layers.h"
 #include "model/param.h"
 #include "model/rope.h"
 #include "model/v4/compressed_kv.h"
+#include "model/v4/v4_cache.h"
 
 namespace moe {
 
@@ -77,6 +79,13 @@ class V4Compressor {
   // After a SaveInput::No forward: x is the forward's input, rebuilt bitwise by the caller.
   void backward(const Tensor& d_entries, const Tensor& dx, const Tensor& x);
 
+  // Cached inference (model/v4/v4_cache.h): x [T, D] holds the chunks' new rows. Every window
+  // that completes within a chunk becomes its entry in the cache, pooled from the new rows' c
+  // and z and the state ring's earlier ones in the order forward() pools (the same bits); then
+  // the ring takes the new rows. Nothing is saved.
+  void forward_cached(const Tensor& x, std::span<const CachedChunk> chunks,
+                      const V4CompressorCache& cache);
+
   void collect(ParamList& out);
   bool has_saved() const { return pending_; }
 
@@ -90,8 +99,8 @@ class V4Compressor {
   // Per window: the softmax weights over its slots, written over z (each element of z belongs
   // to at most one window), and the pooled row [d_c].
   void pool(const float* c, float* zp, float* pooled, int64_t batch, int64_t W) const;
-  // RMSNorm + RoPE of the pooled rows into entries.
-  void finish(const float* pooled, float* entries, int64_t batch, int64_t W) const;
+  // RMSNorm + RoPE of `rows` pooled rows into entries, entry i at position positions[i].
+  void finish(const float* pooled, float* entries, int64_t rows, const Tensor& positions) const;
   Tensor entry_positions(int64_t batch, int64_t W) const;
 
   std::shared_ptr<RopeTable> rope_;

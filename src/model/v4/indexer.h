@@ -27,6 +27,7 @@
 // below every number).
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "model/param.h"
@@ -58,6 +59,12 @@ class V4Indexer {
   // picks I32 [B·S, topk] (MemCategory::Routing: selection state the attention keeps until its
   // backward, like the router's), for CompressedKv::picked.
   Tensor forward(const Tensor& x, const Tensor& qr, const BatchShape& shape);
+  // Cached inference: x, qr [T, ...] the chunks' new rows -> picks I32 [T, topk] as forward's
+  // for the same tokens. Its compressor first completes the chunks' windows in `keys` (a query
+  // may see an entry its own chunk completed); then a query with more than topk visible entries
+  // scores them all from the cache (O(entries) per token, as forward).
+  Tensor forward_cached(const Tensor& x, const Tensor& qr, std::span<const CachedChunk> chunks,
+                        const V4CompressorCache& keys);
 
   void collect(ParamList& out);
 

@@ -29,22 +29,30 @@ constexpr int64_t kStackedRows = 128;
 // Small, because a window block of n keys is seen by n + window − 1 queries.
 constexpr int64_t kKeyBlock = 32;
 
-// What the attention core reads; pointers into [T, ...] row-major tensors (row = b·S + s).
+// What the attention core reads; pointers into [T, ...] row-major tensors. A sequence's rows are
+// its keys' positions pos0, pos0 + 1, ... (S of them); its queries are the rows from q_first on,
+// indexed from 0 in q, picks, the output and the stats. The training forward has pos0 = 0 and
+// q_first = 0 (every row a query); a cached forward runs one sequence per chunk whose first
+// rows are the window's cached positions before the chunk.
 struct Core {
   int64_t B = 0, S = 0, H = 0, d = 0, window = 0;
+  int64_t q_first = 0, pos0 = 0;
   int64_t ratio = 0;  // 0: no compressed entries
   int64_t W = 0;      // entries per sequence
   int64_t k = 0;      // picks per query (CSA), 0 for HCA
   int64_t M = 0;      // query rows per block
   float scale = 1.0f;
-  const float* q = nullptr;        // [T, H·d]
-  const float* kv = nullptr;       // [T, d]
+  const float* q = nullptr;        // [B·Sq, H·d]
+  const float* kv = nullptr;       // [B·S, d]
   const float* entries = nullptr;  // [B, W, d]
-  const int32_t* picks = nullptr;  // [T, k]
+  const int32_t* picks = nullptr;  // [B·Sq, k]
   const float* sink = nullptr;     // [H]
 
   int64_t hd() const { return H * d; }
-  int64_t blocks() const { return (S + M - 1) / M; }
+  int64_t queries() const { return S - q_first; }  // Sq
+  // Row r (>= q_first) of sequence b among the queries.
+  int64_t query_index(int64_t b, int64_t r) const { return b * queries() + r - q_first; }
+  int64_t blocks() const { return (queries() + M - 1) / M; }
   bool csa() const { return picks != nullptr; }
   // Compressed columns a block can hold at most.
   int64_t max_compressed() const {
@@ -68,20 +76,20 @@ struct KeyLayout {
 KeyLayout key_layout(const Core& c, int64_t b, int64_t blk, float* gather, int32_t* ids) {
   KeyLayout L;
   L.b = b;
-  L.r0 = blk * c.M;
+  L.r0 = c.q_first + blk * c.M;
   L.rows = std::min(c.S, L.r0 + c.M) - L.r0;
   L.kw0 = std::max<int64_t>(0, L.r0 - c.window + 1);
   L.nw = L.r0 + L.rows - L.kw0;
   if (c.ratio == 0) return L;
   if (!c.csa()) {
     // Entries visible to the block's last row; earlier rows mask the rest.
-    L.nc = std::min(c.W, (L.r0 + L.rows) / c.ratio);
+    L.nc = std::min(c.W, (c.pos0 + L.r0 + L.rows) / c.ratio);
     L.comp = c.entries + b * c.W * c.d;
     return L;
   }
   int64_t n = 0;
   for (int64_t i = 0; i < L.rows; ++i) {
-    const int32_t* p = c.picks + (b * c.S + L.r0 + i) * c.k;
+    const int32_t* p = c.picks + c.query_index(b, L.r0 + i) * c.k;
     for (int64_t j = 0; j < c.k; ++j)
       if (p[j] >= 0) ids[n++] = p[j];
   }
@@ -95,41 +103,60 @@ KeyLayout key_layout(const Core& c, int64_t b, int64_t blk, float* gather, int32
   return L;
 }
 
-// 0 where query row i of the block may attend column j, −inf where not.
-void key_mask(const Core& c, const KeyLayout& L, int64_t i, float* mask) {
-  const int64_t t = L.r0 + i, lo = std::max<int64_t>(0, t - c.window + 1);
-  for (int64_t j = 0; j < L.nw; ++j) {
-    const int64_t pos = L.kw0 + j;
-    mask[j] = pos >= lo && pos <= t ? 0.0f : kNegInf;
-  }
-  float* mc = mask + L.nw;
-  if (L.nc == 0) return;
+// The columns query row i of the block may attend: the window's [win_begin, win_end), and
+// comp_count compressed ones, the first comp_count (HCA) or those listed in comp_cols (CSA,
+// ascending, counted from the first compressed column).
+struct RowColumns {
+  int64_t win_begin = 0, win_end = 0, comp_count = 0;
+  const int32_t* comp_cols = nullptr;
+};
+
+// cols: room for k column numbers (CSA).
+RowColumns row_columns(const Core& c, const KeyLayout& L, int64_t i, int32_t* cols) {
+  RowColumns rc;
+  const int64_t t = L.r0 + i;
+  rc.win_begin = std::max<int64_t>(0, t - c.window + 1) - L.kw0;
+  rc.win_end = t + 1 - L.kw0;
+  if (L.nc == 0) return rc;
   if (!c.csa()) {
-    const int64_t visible = (t + 1) / c.ratio;
-    for (int64_t j = 0; j < L.nc; ++j) mc[j] = j < visible ? 0.0f : kNegInf;
-    return;
+    rc.comp_count = std::min(L.nc, (c.pos0 + t + 1) / c.ratio);
+    return rc;
   }
-  std::fill(mc, mc + L.nc, kNegInf);
   // The row's picks are ascending (checked by forward), and so is the union: one merge.
-  const int32_t* p = c.picks + (L.b * c.S + t) * c.k;
+  const int32_t* p = c.picks + c.query_index(L.b, t) * c.k;
   int64_t u = 0;
   for (int64_t j = 0; j < c.k; ++j) {
     if (p[j] < 0) continue;
     while (L.ids[u] < p[j]) ++u;
-    mc[u] = 0.0f;
+    cols[rc.comp_count++] = static_cast<int32_t>(u);
+  }
+  rc.comp_cols = cols;
+  return rc;
+}
+
+// 0 where query row i of the block may attend column j, −inf where not.
+void key_mask(const Core& c, const KeyLayout& L, int64_t i, float* mask, int32_t* cols) {
+  const RowColumns rc = row_columns(c, L, i, cols);
+  std::fill(mask, mask + L.cols(), kNegInf);
+  std::fill(mask + rc.win_begin, mask + rc.win_end, 0.0f);
+  float* mc = mask + L.nw;
+  if (rc.comp_cols) {
+    for (int64_t j = 0; j < rc.comp_count; ++j) mc[rc.comp_cols[j]] = 0.0f;
+  } else {
+    std::fill(mc, mc + rc.comp_count, 0.0f);
   }
 }
 
 // sc [rows·H, N] (ld N) = scale · q_rows·keysᵀ + mask: one dot product over d per score, the
 // window columns and the compressed ones from two GEMMs. Forward and backward call this on the
-// same layout, so the backward's scores are bitwise the forward's.
-void block_scores(const Core& c, const KeyLayout& L, float* sc, float* mask) {
+// same layout, so the backward's scores are bitwise the forward's. cols: as row_columns.
+void block_scores(const Core& c, const KeyLayout& L, float* sc, float* mask, int32_t* cols) {
   const int64_t MH = L.rows * c.H, N = L.cols();
-  const float* qrows = c.q + (L.b * c.S + L.r0) * c.hd();
+  const float* qrows = c.q + c.query_index(L.b, L.r0) * c.hd();
   gemm_nt_serial(MH, L.nw, c.d, qrows, c.d, c.kv + (L.b * c.S + L.kw0) * c.d, c.d, sc, N, false);
   gemm_nt_serial(MH, L.nc, c.d, qrows, c.d, L.comp, c.d, sc + L.nw, N, false);
   for (int64_t i = 0; i < L.rows; ++i) {
-    key_mask(c, L, i, mask);
+    key_mask(c, L, i, mask, cols);
     for (int64_t h = 0; h < c.H; ++h) {
       float* row = sc + (i * c.H + h) * N;
       scale_row(row, N, c.scale);
@@ -145,12 +172,86 @@ float sink_exp(float sink, float m) {
   return e;
 }
 
+// One score row (N columns, the window's nw first) in place to its softmax, with the sink as one
+// more logit of zero value; returns the shift m and 1/Σ. The sum adds the row's visible terms in
+// an order of their own: the window's from its first visible key, then the compressed ones in
+// id order (each part in the 16 lanes of exp_shift_sum, so a term's lane is its rank in that
+// part), then the sink. A term's place in the block's layout (which depends on the block the
+// query falls in, and for CSA on the other rows' picks) thus never changes the bits: the
+// training forward and a cached forward, which lay the same keys out differently, agree.
+// gather: room for the row's compressed terms (CSA).
+std::pair<float, float> softmax_with_sink(float* row, int64_t N, int64_t nw, const RowColumns& rc,
+                                          float sink, float* gather) {
+  const float m = std::max(row_max(row, N), sink);
+  std::fill(row, row + rc.win_begin, 0.0f);
+  std::fill(row + rc.win_end, row + nw, 0.0f);
+  double sum = exp_shift_sum(row + rc.win_begin, rc.win_end - rc.win_begin, m);
+  float* comp = row + nw;
+  if (rc.comp_cols) {
+    for (int64_t j = 0; j < rc.comp_count; ++j) gather[j] = comp[rc.comp_cols[j]];
+    std::fill(comp, row + N, 0.0f);
+    sum += exp_shift_sum(gather, rc.comp_count, m);
+    for (int64_t j = 0; j < rc.comp_count; ++j) comp[rc.comp_cols[j]] = gather[j];
+  } else {
+    sum += exp_shift_sum(comp, rc.comp_count, m);
+    std::fill(comp + rc.comp_count, row + N, 0.0f);
+  }
+  sum += static_cast<double>(sink_exp(sink, m));
+  const float inv = static_cast<float>(1.0 / sum);
+  scale_row(row, N, inv);
+  return {m, inv};
+}
+
 // out_rows [rows·H, d] (ld d) (+)= P·keys over the layout's columns: one FMA chain per output
 // element over the window keys then the compressed ones.
 void block_pv(const Core& c, const KeyLayout& L, const float* P, float* out) {
   const int64_t MH = L.rows * c.H, N = L.cols();
   gemm_nn_serial(MH, c.d, L.nw, P, N, c.kv + (L.b * c.S + L.kw0) * c.d, c.d, out, c.d, false);
   gemm_nn_serial(MH, c.d, L.nc, P + L.nw, N, L.comp, c.d, out, c.d, true);
+}
+
+// The per-thread scratch of attend_block, sized for every Core it serves.
+struct BlockScratch {
+  int64_t score_rows = 0, cols = 0, gathered = 0, k = 0, m_rows = 0;
+  void fit(const Core& c) {
+    score_rows = std::max(score_rows, c.M * c.H);
+    cols = std::max(cols, c.max_window() + c.max_compressed());
+    gathered = std::max(gathered, c.csa() ? c.max_compressed() * c.d : 0);
+    k = std::max(k, c.k);
+    m_rows = std::max(m_rows, c.M);
+  }
+  // scores [score_rows, cols], mask [cols], gathered entries, the row's compressed terms [k]
+  int64_t floats() const { return score_rows * cols + cols + gathered + k; }
+  // the block's union of picks [m_rows·k], the row's compressed columns [k]
+  int64_t ints() const { return m_rows * k + k; }
+};
+
+// One query block of sequence b: scores, softmax with the sink, P·keys into out (the Core's
+// [B·Sq, H·d] output), and with `stats` each row's shift and 1/Σ ([B·Sq, H, 2]).
+void attend_block(const Core& c, int64_t b, int64_t blk, const BlockScratch& size, float* fs,
+                  int32_t* is, float* out, float* stats) {
+  float* sc = fs;
+  float* mask = sc + size.score_rows * size.cols;
+  float* gathered = mask + size.cols;
+  float* terms = gathered + size.gathered;
+  int32_t* ids = is;
+  int32_t* cols = ids + size.m_rows * size.k;
+  const KeyLayout L = key_layout(c, b, blk, gathered, ids);
+  const int64_t N = L.cols();
+  block_scores(c, L, sc, mask, cols);
+  for (int64_t i = 0; i < L.rows; ++i) {
+    const RowColumns rc = row_columns(c, L, i, cols);
+    for (int64_t h = 0; h < c.H; ++h) {
+      const auto [m, inv] =
+          softmax_with_sink(sc + (i * c.H + h) * N, N, L.nw, rc, c.sink[h], terms);
+      if (stats) {
+        float* s = stats + (c.query_index(b, L.r0 + i) * c.H + h) * 2;
+        s[0] = m;
+        s[1] = inv;
+      }
+    }
+  }
+  block_pv(c, L, sc, out + c.query_index(b, L.r0) * c.hd());
 }
 
 }  // namespace
@@ -227,7 +328,7 @@ Tensor V4Attention::forward(const Tensor& x, const BatchShape& shape, Pass pass,
             "{}: expected input [{} x {}, {}], got {}", name, shape.batch, shape.seq, dims.hidden,
             shape_str(x.shape()));
   const int64_t T = x.dim(0), B = shape.batch, S = shape.seq, H = dims.heads, d = dims.head_dim;
-  const int64_t dr = dims.rope_dim, HD = qdim();
+  const int64_t HD = qdim();
   Core c;
   c.B = B, c.S = S, c.H = H, c.d = d, c.window = dims.window;
   c.M = std::max<int64_t>(1, kStackedRows / H);
@@ -265,17 +366,7 @@ Tensor V4Attention::forward(const Tensor& x, const BatchShape& shape, Pass pass,
       }
     }
   }
-  Tensor qr;
-  if (qr_in.defined()) {
-    MOE_CHECK(pending_qr_.defined() && qr_in.raw() == pending_qr_.raw() &&
-                  qr_in.shape() == pending_qr_.shape() && pending_pass_ == pass &&
-                  pending_save_ == save_input,
-              "{}: qr must be what query_residual(x, pass, save_input) just returned", name);
-    qr = qr_in;
-  } else {
-    qr = query_residual(x, pass, save_input);
-  }
-  pending_qr_.reset();
+  Tensor qr = take_query_residual(x, qr_in, pass, save_input);
   MOE_CHECK(qr.ndim() == 2 && qr.dim(0) == T, "{}: qr has {} rows for {} tokens", name,
             qr.dim(0), T);
 
@@ -285,76 +376,29 @@ Tensor V4Attention::forward(const Tensor& x, const BatchShape& shape, Pass pass,
   const Tensor positions = sequence_positions(B, S);
 
   // q: wq_b saves nothing (backward rebuilds its input with q_norm.recompute_output()).
-  Tensor q = wq_b.forward(qr, Pass::Eval);
-  qr.reset();
-  Tensor q_rstd = train ? activation({T, H}) : Tensor();
-  {
-    float* qp = q.f32();
-    float* rp = train ? q_rstd.f32() : nullptr;
-    const float* ones = ones_.f32();
-    const float eps = static_cast<float>(dims.eps);
-    parallel_for(0, T, [&](int64_t t) {
-      for (int64_t h = 0; h < H; ++h) {
-        float* v = qp + t * HD + h * d;
-        const float r = rmsnorm_row(v, ones, v, d, eps);  // in place: the sum is taken first
-        if (rp) rp[t * H + h] = r;
-      }
-    });
-  }
-  rope_forward(*rope_, q.f32() + (d - dr), T, H, HD, d, positions.i32());
-
+  Tensor q_rstd;
+  Tensor q = query_heads(std::move(qr), positions, train ? &q_rstd : nullptr);
   // kv: kv_norm saves its input; the rotated output is rebuilt in backward.
-  Tensor kv = kv_norm.forward(wkv.forward(x, first), pass);
-  rope_forward(*rope_, kv.f32() + (d - dr), T, 1, d, 0, positions.i32());
+  Tensor kv = shared_kv(x, positions, pass, first);
 
   c.q = q.f32();
   c.kv = kv.f32();
   Tensor o = activation({T, HD});
   Tensor stats = train ? activation({T, H, 2}) : Tensor();
   {
-    const int64_t nblk = c.blocks(), MH = c.M * H;
-    const int64_t cols = c.max_window() + c.max_compressed();
-    const ThreadSlabs slabs(MH * cols + cols + (c.csa() ? c.max_compressed() * d : 0),
-                            DType::F32);
-    const ThreadSlabs id_slabs(c.csa() ? c.M * c.k : 0, DType::I32);
-    float* op = o.f32();
+    const int64_t nblk = c.blocks();
+    BlockScratch size;
+    size.fit(c);
+    const ThreadSlabs fslabs(size.floats()), islabs(size.ints(), DType::I32);
     float* st = train ? stats.f32() : nullptr;
     // The longest blocks (the most keys) first, to even out the dynamic schedule.
     parallel_for_dynamic(0, B * nblk, [&](int64_t task) {
       const int64_t b = task / nblk, blk = nblk - 1 - task % nblk;
-      float* sc = slabs.mine();
-      float* mask = sc + MH * cols;
-      const KeyLayout L = key_layout(c, b, blk, mask + cols, id_slabs.mine_i32());
-      const int64_t N = L.cols();
-      block_scores(c, L, sc, mask);
-      for (int64_t i = 0; i < L.rows; ++i)
-        for (int64_t h = 0; h < H; ++h) {
-          float* row = sc + (i * H + h) * N;
-          // The sink joins the max and the sum as one more logit; its value vector is zero.
-          const float m = std::max(row_max(row, N), c.sink[h]);
-          const double sum = exp_shift_sum(row, N, m) + static_cast<double>(sink_exp(c.sink[h], m));
-          const float inv = static_cast<float>(1.0 / sum);
-          scale_row(row, N, inv);
-          if (st) {
-            float* s = st + ((b * S + L.r0 + i) * H + h) * 2;
-            s[0] = m;
-            s[1] = inv;
-          }
-        }
-      block_pv(c, L, sc, op + (b * S + L.r0) * HD);
+      attend_block(c, b, blk, size, fslabs.mine(), islabs.mine_i32(), o.f32(), st);
     });
   }
   kv.reset();
-
-  // Take the query position's rotation back out of the output, then the grouped projection.
-  rope_inverse(*rope_, o.f32() + (d - dr), T, H, HD, d, positions.i32());
-  const int64_t g = dims.o_groups, gi = group_in(), ol = dims.o_lora_rank;
-  Tensor z = activation({T, g * ol});
-  for (int64_t j = 0; j < g; ++j)
-    gemm_nt(T, ol, gi, o.f32() + j * gi, HD, wo_a.w() + j * ol * gi, gi, z.f32() + j * ol, g * ol,
-            false);
-  o.reset();
-  Tensor y = wo_b.forward(z, pass);
+  Tensor y = output(std::move(o), positions, pass);
 
   if (train) {
     saved_shape_ = shape;
@@ -365,6 +409,167 @@ Tensor V4Attention::forward(const Tensor& x, const BatchShape& shape, Pass pass,
     saved_x_kept_ = save_input == SaveInput::Yes;
   }
   return y;
+}
+
+Tensor V4Attention::take_query_residual(const Tensor& x, const Tensor& qr_in, Pass pass,
+                                        SaveInput save_input) {
+  Tensor qr;
+  if (qr_in.defined()) {
+    MOE_CHECK(pending_qr_.defined() && qr_in.raw() == pending_qr_.raw() &&
+                  qr_in.shape() == pending_qr_.shape() && pending_pass_ == pass &&
+                  pending_save_ == save_input,
+              "{}: qr must be what query_residual(x, pass, save_input) just returned",
+              wo_b.weight.name);
+    qr = qr_in;
+  } else {
+    qr = query_residual(x, pass, save_input);
+  }
+  pending_qr_.reset();
+  return qr;
+}
+
+Tensor V4Attention::query_heads(Tensor qr, const Tensor& positions, Tensor* q_rstd) {
+  const int64_t T = qr.dim(0), H = dims.heads, d = dims.head_dim, HD = qdim();
+  Tensor q = wq_b.forward(qr, Pass::Eval);
+  qr.reset();
+  if (q_rstd) *q_rstd = activation({T, H});
+  float* qp = q.f32();
+  float* rp = q_rstd ? q_rstd->f32() : nullptr;
+  const float* ones = ones_.f32();
+  const float eps = static_cast<float>(dims.eps);
+  parallel_for(0, T, [&](int64_t t) {
+    for (int64_t h = 0; h < H; ++h) {
+      float* v = qp + t * HD + h * d;
+      const float r = rmsnorm_row(v, ones, v, d, eps);  // in place: the sum is taken first
+      if (rp) rp[t * H + h] = r;
+    }
+  });
+  rope_forward(*rope_, q.f32() + (d - dims.rope_dim), T, H, HD, d, positions.i32());
+  return q;
+}
+
+Tensor V4Attention::shared_kv(const Tensor& x, const Tensor& positions, Pass pass, Pass first) {
+  const int64_t d = dims.head_dim;
+  Tensor kv = kv_norm.forward(wkv.forward(x, first), pass);
+  rope_forward(*rope_, kv.f32() + (d - dims.rope_dim), x.dim(0), 1, d, 0, positions.i32());
+  return kv;
+}
+
+Tensor V4Attention::output(Tensor o, const Tensor& positions, Pass pass) {
+  const int64_t T = o.dim(0), d = dims.head_dim, HD = qdim();
+  // Take the query position's rotation back out of the output, then the grouped projection.
+  rope_inverse(*rope_, o.f32() + (d - dims.rope_dim), T, dims.heads, HD, d, positions.i32());
+  const int64_t g = dims.o_groups, gi = group_in(), ol = dims.o_lora_rank;
+  Tensor z = activation({T, g * ol});
+  for (int64_t j = 0; j < g; ++j)
+    gemm_nt(T, ol, gi, o.f32() + j * gi, HD, wo_a.w() + j * ol * gi, gi, z.f32() + j * ol, g * ol,
+            false);
+  o.reset();
+  return wo_b.forward(z, pass);
+}
+
+// ---------------------------------------------------------------- cached inference
+
+Tensor V4Attention::forward_cached(const Tensor& x, const Tensor& qr_in,
+                                   std::span<const CachedChunk> chunks, const V4LayerCache& cache,
+                                   const Tensor& picks) {
+  const std::string& name = wo_b.weight.name;
+  MOE_CHECK(x.ndim() == 2 && x.dim(1) == dims.hidden, "{}: expected input [T, {}], got {}", name,
+            dims.hidden, shape_str(x.shape()));
+  const int64_t T = x.dim(0), H = dims.heads, d = dims.head_dim, HD = qdim();
+  const std::vector<int64_t> first = chunk_first_rows(chunks, T, name);
+  Tensor qr = take_query_residual(x, qr_in, Pass::Inference, SaveInput::Yes);
+  MOE_CHECK(qr.ndim() == 2 && qr.dim(0) == T, "{}: qr has {} rows for {} tokens", name,
+            qr.dim(0), T);
+  MOE_CHECK(picks.defined() == (cache.ratio == 4),
+            "{}: a cached forward needs the indexer's picks exactly when the layer is CSA "
+            "(ratio 4), here ratio {} with{} picks", name, cache.ratio,
+            picks.defined() ? "" : "out");
+  if (picks.defined())
+    MOE_CHECK(picks.dtype() == DType::I32 && picks.ndim() == 2 && picks.dim(0) == T,
+              "{}: picks must be I32 [{}, k], got {}", name, T, shape_str(picks.shape()));
+  if (T == 0) return activation({0, dims.hidden});
+
+  Tensor positions = Tensor::empty({T}, DType::I32, MemCategory::Activations);
+  int64_t end = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    for (int64_t j = 0; j < chunks[i].count; ++j)
+      positions.i32()[first[i] + j] = static_cast<int32_t>(chunks[i].past + j);
+    end = std::max(end, chunks[i].past + chunks[i].count);
+  }
+  rope_->ensure(end);
+  Tensor q = query_heads(std::move(qr), positions, nullptr);
+  Tensor kv = shared_kv(x, positions, Pass::Inference, Pass::Inference);
+
+  // Per chunk one sequence of keys, contiguous: the ring's rows of the window before the chunk,
+  // then the chunk's own; its queries are the chunk's rows.
+  const int64_t R = cache.window_rows;
+  auto window_start = [&](const CachedChunk& ch) {
+    return std::max<int64_t>(0, ch.past - dims.window + 1);
+  };
+  int64_t key_rows = 0;
+  for (const CachedChunk& ch : chunks)
+    if (ch.count > 0) key_rows += ch.past - window_start(ch) + ch.count;
+  Tensor keys = activation({key_rows, d});
+  std::vector<Core> cores;
+  std::vector<int64_t> core_row0, task_end;
+  BlockScratch size;
+  int64_t at = 0, tasks = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const CachedChunk& ch = chunks[i];
+    if (ch.count == 0) continue;
+    const int64_t k0 = window_start(ch), before = ch.past - k0;
+    float* kb = keys.f32() + at * d;
+    for (int64_t p = k0; p < ch.past; ++p)
+      std::copy_n(cache.window + (ch.slot * R + p % R) * d, d, kb + (p - k0) * d);
+    std::copy_n(kv.f32() + first[i] * d, ch.count * d, kb + before * d);
+    Core c;
+    c.B = 1, c.S = before + ch.count, c.H = H, c.d = d, c.window = dims.window;
+    c.q_first = before, c.pos0 = k0;
+    c.M = std::max<int64_t>(1, kStackedRows / H);
+    c.scale = softmax_scale;
+    c.sink = attn_sink.w();
+    c.q = q.f32() + first[i] * HD;
+    c.kv = kb;
+    if (cache.ratio > 0) {
+      const V4CompressorCache& e = cache.compressor;
+      c.ratio = cache.ratio;
+      c.W = std::min(e.max_entries, (ch.past + ch.count) / cache.ratio);
+      c.entries = e.entries + ch.slot * e.max_entries * d;
+      if (picks.defined()) {
+        c.k = picks.dim(1);
+        c.picks = picks.i32() + first[i] * c.k;
+      }
+    }
+    size.fit(c);
+    cores.push_back(c);
+    core_row0.push_back(first[i]);
+    tasks += c.blocks();
+    task_end.push_back(tasks);
+    at += c.S;
+  }
+  // The ring takes the new rows only now that every chunk has read the ones they replace.
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const CachedChunk& ch = chunks[i];
+    for (int64_t p = std::max(ch.past, ch.past + ch.count - R); p < ch.past + ch.count; ++p)
+      std::copy_n(kv.f32() + (first[i] + p - ch.past) * d, d,
+                  cache.window + (ch.slot * R + p % R) * d);
+  }
+  kv.reset();
+
+  Tensor o = activation({T, HD});
+  {
+    const ThreadSlabs fslabs(size.floats()), islabs(size.ints(), DType::I32);
+    parallel_for_dynamic(0, tasks, [&](int64_t task) {
+      const size_t ci = static_cast<size_t>(
+          std::upper_bound(task_end.begin(), task_end.end(), task) - task_end.begin());
+      const int64_t blk = task - (ci == 0 ? 0 : task_end[ci - 1]);
+      attend_block(cores[ci], 0, blk, size, fslabs.mine(), islabs.mine_i32(),
+                   o.f32() + core_row0[ci] * HD, nullptr);
+    });
+  }
+  keys.reset();
+  return output(std::move(o), positions, Pass::Inference);
 }
 
 // ---------------------------------------------------------------- backward
@@ -447,7 +652,8 @@ Tensor V4Attention::backward_impl(const Tensor& dy, const Tensor& x, const Tenso
     const int64_t cols = c.max_window() + c.max_compressed();
     const ThreadSlabs slabs(2 * MH * cols + cols + (c.csa() ? c.max_compressed() * d : 0),
                             DType::F32);
-    const ThreadSlabs id_slabs(c.csa() ? c.M * c.k : 0, DType::I32);
+    // The block's union of picks [M·k], then one row's compressed columns [k].
+    const ThreadSlabs id_slabs(c.csa() ? c.M * c.k + c.k : 0, DType::I32);
     float* dqp = dq.f32();
     float* op = need_o ? o.f32() : nullptr;
     float* Dp = rowD.f32();
@@ -458,9 +664,10 @@ Tensor V4Attention::backward_impl(const Tensor& dy, const Tensor& x, const Tenso
       float* P = slabs.mine();
       float* dP = P + MH * cols;
       float* mask = dP + MH * cols;
-      const KeyLayout L = key_layout(c, b, blk, mask + cols, id_slabs.mine_i32());
+      int32_t* ids = id_slabs.mine_i32();
+      const KeyLayout L = key_layout(c, b, blk, mask + cols, ids);
       const int64_t N = L.cols(), row0 = b * S + L.r0;
-      block_scores(c, L, P, mask);
+      block_scores(c, L, P, mask, ids + c.M * c.k);
       for (int64_t i = 0; i < L.rows; ++i)
         for (int64_t h = 0; h < H; ++h) {
           float* row = P + (i * H + h) * N;

@@ -18,12 +18,14 @@
 // The compressor and indexer run between query_residual() and forward(): the indexer needs qr,
 // the attention needs its picks. A caller without an indexer may call forward() alone.
 #include <memory>
+#include <span>
 #include <string>
 
 #include "model/layers.h"
 #include "model/param.h"
 #include "model/rope.h"
 #include "model/v4/compressed_kv.h"
+#include "model/v4/v4_cache.h"
 
 namespace moe {
 
@@ -65,6 +67,17 @@ class V4Attention {
   Tensor backward(const Tensor& dy, const Tensor& d_entries = {});
   // After a SaveInput::No forward: x is the forward's input, rebuilt bitwise by the caller.
   Tensor backward(const Tensor& dy, const Tensor& x, const Tensor& d_entries);
+
+  // Cached inference (model/v4/v4_cache.h): x [T, hidden] holds the chunks' new rows, qr what
+  // query_residual(x, Pass::Inference) just returned. A query at position t sees its slot's kv
+  // rows of t - window + 1 .. t (the ring's and this forward's, whose rows then go into the
+  // ring) and, for ratio > 0, the slot's entries in `cache` (the compressor completes this
+  // forward's windows first): HCA every visible one, CSA the rows of `picks` (I32 [T, k], the
+  // indexer's). Computes forward()'s bits for the same tokens: the scores are the same dot
+  // products, and the softmax adds its terms in an order of their own (see the .cpp), wherever
+  // the keys sit in the block. Nothing is saved.
+  Tensor forward_cached(const Tensor& x, const Tensor& qr, std::span<const CachedChunk> chunks,
+                        const V4LayerCache& cache, const Tensor& picks = {});
   void collect(ParamList& out);
   bool has_saved() const { return saved_q_.defined(); }
 
@@ -86,6 +99,16 @@ class V4Attention {
   int64_t qdim() const { return dims.heads * dims.head_dim; }
   int64_t group_in() const { return qdim() / dims.o_groups; }
   Tensor backward_impl(const Tensor& dy, const Tensor& x, const Tensor& d_entries);
+  // The pieces forward() and forward_cached() share, per row at its position:
+  //   q = RoPE(rms(wq_b·qr) per head) [T, H·d] (qr released after wq_b), each head's 1/rms
+  //       into *q_rstd [T, H] when given;
+  //   kv = RoPE(kv_norm(wkv·x)) [T, d] (wkv's forward in pass `first`, kv_norm's in `pass`);
+  //   y = wo_b·grouped wo_a·RoPE⁻¹(o) [T, hidden] (o is rotated in place, then released).
+  Tensor query_heads(Tensor qr, const Tensor& positions, Tensor* q_rstd);
+  Tensor shared_kv(const Tensor& x, const Tensor& positions, Pass pass, Pass first);
+  Tensor output(Tensor o, const Tensor& positions, Pass pass);
+  // The qr that query_residual() handed out, checked to be `qr` (undefined: computed now).
+  Tensor take_query_residual(const Tensor& x, const Tensor& qr, Pass pass, SaveInput save_input);
 
   std::shared_ptr<RopeTable> rope_;
   Tensor ones_;  // [d] of 1: the weight of the weightless per-head normalisation

@@ -318,10 +318,12 @@ void DeepSeekV4Model::allocate_grads() {
   for (MoELayer* m : moe_layers()) m->allocate_grads();
   for (Param* p : params_)
     if (p->trainable) p->allocate_grad();
+  for (Param* p : lora_params_) p->allocate_grad();
 }
 
 void DeepSeekV4Model::zero_grads() {
   for (Param* p : params_) p->zero_grad();
+  for (Param* p : lora_params_) p->zero_grad();
 }
 
 Tensor DeepSeekV4Model::streams(const Tensor& tokens, const BatchShape& shape, Pass pass) {
@@ -391,6 +393,8 @@ LossResult DeepSeekV4Model::forward(const Tensor& tokens, const Tensor& targets,
             "expected {} I32 targets (batch {} x seq {}), got {}", shape.tokens(), shape.batch,
             shape.seq, shape_str(targets.shape()));
   const bool train = needs_backward(pass);
+  // Adapter dropout only while training (the trainer sets the masks' seed and draw).
+  lora_runtime_->dropout_active = train;
   d_head_in_.reset();
   d_mtp_head_in_.reset();
   Tensor X = streams(tokens, shape, pass);
