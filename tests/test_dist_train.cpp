@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -38,10 +39,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// One directory for all ranks (rank 0 clears it), per world size so runs never collide.
+// One directory for all ranks (rank 0 clears it), per world size and launcher so runs never
+// collide (ctest runs the plain binary and `mpirun -np 1` at the same time; mpirun sets
+// OMPI_COMM_WORLD_SIZE).
 fs::path shared_dir(const std::string& name) {
+  const std::string launcher = std::getenv("OMPI_COMM_WORLD_SIZE") ? "mpirun_np" : "alone_np";
   const fs::path dir = fs::path(MOE_BINARY_DIR) / "test_dist_train_tmp" /
-                       ("np" + std::to_string(g_world->size())) / name;
+                       (launcher + std::to_string(g_world->size())) / name;
   if (g_world->rank() == 0) {
     fs::remove_all(dir);
     fs::create_directories(dir);

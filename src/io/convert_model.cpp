@@ -90,6 +90,8 @@ void copy_bytes(const SafetensorsReader& reader, const SafetensorsEntry& e,
   }
 }
 
+}  // namespace
+
 void copy_side_files(const fs::path& in, const fs::path& out) {
   for (const auto& entry : fs::directory_iterator(in)) {
     const std::string name = entry.path().filename().string();
@@ -103,7 +105,14 @@ void copy_side_files(const fs::path& in, const fs::path& out) {
   }
 }
 
-}  // namespace
+
+void check_new_output_dir(const fs::path& in, const fs::path& out) {
+  MOE_CHECK(fs::absolute(in).lexically_normal() != fs::absolute(out).lexically_normal(),
+            "--out must differ from --model ({})", in.string());
+  std::error_code ec;
+  MOE_CHECK(!fs::exists(out, ec) || (fs::is_directory(out, ec) && fs::is_empty(out, ec)),
+            "{}: already exists and is not an empty directory; choose a new --out", out.string());
+}
 
 ConvertReport convert_model(const fs::path& in, const fs::path& out, const ConvertOptions& opt,
                             const std::function<void(const QuantizeLayerStats&)>& on_layer) {
@@ -117,11 +126,7 @@ ConvertReport convert_model(const fs::path& in, const fs::path& out, const Conve
   out_cfg.expert_format = opt.experts == "mxfp4" && cfg.n_routed_experts > 0 ? "mxfp4" : "fp32";
   if (opt.dtype != "keep") out_cfg.torch_dtype = opt.dtype == "bf16" ? "bfloat16" : "float32";
   out_cfg.validate((in / kHfConfigFile).string());  // MXFP4 needs dims divisible by 32
-  MOE_CHECK(fs::absolute(in).lexically_normal() != fs::absolute(out).lexically_normal(),
-            "--out must differ from --model ({})", in.string());
-  std::error_code ec;
-  MOE_CHECK(!fs::exists(out, ec) || (fs::is_directory(out, ec) && fs::is_empty(out, ec)),
-            "{}: already exists and is not an empty directory; choose a new --out", out.string());
+  check_new_output_dir(in, out);
 
   const SafetensorsSet weights(in);
   const Fp8Block block = info.fp8_block();

@@ -69,4 +69,10 @@ ConvertReport convert_model(const std::filesystem::path& in, const std::filesyst
                             const ConvertOptions& options,
                             const std::function<void(const QuantizeLayerStats&)>& on_layer = {});
 
+// `out` must differ from `in` and not exist or be an empty directory (errors name --out).
+void check_new_output_dir(const std::filesystem::path& in, const std::filesystem::path& out);
+// Copies `in`'s files other than weights, their index, config.json and trainer.json (the
+// tokenizer, generation_config.json, ...) into `out`, each atomically.
+void copy_side_files(const std::filesystem::path& in, const std::filesystem::path& out);
+
 }  // namespace moe
