@@ -1,7 +1,9 @@
 // `moe plan` (train/memory_plan.h): the predicted peak of every MemoryTracker category against
 // the peaks real short runs reach, for LoRA fine-tunes (MXFP4 and fp32 routed experts, dropout,
 // partial targets, expert ranks) and pretraining (fp32 and MXFP4 experts, q_lora_rank, aux
-// loss) of the `debug` and `small` presets; and the plan of deepseek-v3-671b.
+// loss) of the `debug` and `small` presets and of DeepSeek-V4's `debug-v4` and `small-v4`
+// (sliding-window, CSA and HCA layers, a hash layer, MTP); and the per-rank plans of
+// deepseek-v3-671b and deepseek-v4-flash.
 //
 // Measured peaks are the tracker's right after the third optimizer step of a run (TrainHooks::
 // stop_after: no validation or checkpoint in between), since the trainer's reset_peaks before
@@ -25,7 +27,7 @@
 #include "core/parallel.h"
 #include "io/checkpoint.h"
 #include "io/model_spec.h"
-#include "model/model.h"
+#include "model/causal_lm.h"
 #include "train/memory_plan.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
@@ -61,9 +63,9 @@ fs::path base_model(const std::string& preset) {
   if (!fs::exists(dir / "config.json")) {
     ModelConfig mc = resolve_model_config(preset);
     mc.vocab_size = std::max<int64_t>(mc.vocab_size, 264);  // the byte tokenizer's ids fit
-    DeepSeekModel m(mc);
-    m.init_weights(3);
-    save_model(dir, mc, m.params());
+    const std::unique_ptr<CausalLM> m = make_causal_lm(mc);
+    m->init_weights(3);
+    save_model(dir, mc, m->params());
   }
   return dir;
 }
@@ -222,6 +224,45 @@ TEST(MemoryPlan, SmallFinetuneFp32ExpertsLargerBatchWithDropout) {
       finetune_config("small", "fp32", 8, 64, "r = 16\ndropout = 0.05", "ft-small-fp32"));
 }
 
+// ---------------------------------------------------------------- DeepSeek-V4 plan vs measured
+// debug-v4: layers sliding window, CSA (ratio 4, top-3 indexer), HCA (ratio 16), an MTP block
+// (sliding window); layer 0 routes by hash. At 64 positions and more the indexer scores (a
+// query sees more than topk entries from position 15 on), and the HCA layer has entries.
+
+TEST(MemoryPlan, V4DebugPretrainingFp32Experts) {
+  expect_plan_matches(pretrain_config("debug-v4", "fp32", 4, 64, "", "v4-pre-debug-fp32"));
+}
+
+TEST(MemoryPlan, V4DebugPretrainingMxfp4ExpertsWithAuxLoss) {
+  expect_plan_matches(
+      pretrain_config("debug-v4", "mxfp4", 8, 128, "aux_loss_alpha = 0.01", "v4-pre-debug-mx"));
+}
+
+TEST(MemoryPlan, V4DebugFinetuneDropoutExpertRankAndPartialTargets) {
+  // Adapters on wq_a, wkv, the shared and the routed experts' down projections (no re-fetched
+  // rows); wq_b, wo_b unadapted and frozen; dropout masks and row keys.
+  expect_plan_matches(finetune_config(
+      "debug-v4", "mxfp4", 8, 128,
+      "r = 4\ndropout = 0.1\nexpert_r = 2\ntargets = [\"q_a_proj\", \"kv_proj\", \"down_proj\"]",
+      "v4-ft-debug"));
+}
+
+// small-v4: window, CSA, HCA (ratio 32), CSA, then a window MTP block; top-16 indexer, so it
+// scores from position 67 on.
+TEST(MemoryPlan, V4SmallPretrainingFp32Experts) {
+  expect_plan_matches(pretrain_config("small-v4", "fp32", 2, 128, "", "v4-pre-small"));
+}
+
+TEST(MemoryPlan, V4SmallFinetuneMxfp4Experts) {
+  // configs/finetune-small.toml's adapters (all-linear, r 8) over MXFP4 experts.
+  expect_plan_matches(finetune_config("small-v4", "mxfp4", 4, 128, "r = 8", "v4-ft-small-mx"));
+}
+
+TEST(MemoryPlan, V4SmallFinetuneFp32ExpertsWithDropout) {
+  expect_plan_matches(
+      finetune_config("small-v4", "fp32", 4, 128, "r = 16\ndropout = 0.05", "v4-ft-small-fp32"));
+}
+
 // ---------------------------------------------------------------- the plan itself
 
 TEST(MemoryPlan, DeepSeekV3FinetunePerRank) {
@@ -255,6 +296,41 @@ TEST(MemoryPlan, DeepSeekV3FinetunePerRank) {
   std::printf("%s", text.c_str());
 }
 
+TEST(MemoryPlan, DeepSeekV4FlashFinetunePerRank) {
+  TrainConfig cfg = parse_train_config(
+      "[model]\npreset = \"deepseek-v4-flash\"\nweights = \"none\"\nexperts = \"mxfp4\"\n"
+      "[data]\nseq_len = 4096\nbatch_size = 8\n[lora]\nr = 8\n",
+      "flash", {}, ConfigPurpose::Finetune);
+  const ModelConfig mc = resolve_plan_model(cfg);
+  ASSERT_TRUE(mc.is_v4());
+  EXPECT_TRUE(mc.mxfp4_experts());
+  const MemoryPlan one = plan_training_memory(cfg, mc, 8, 16);  // 8 ranks, EP 1
+  cfg.parallel.ep = 8;
+  const MemoryPlan ep8 = plan_training_memory(cfg, mc, 8, 16);
+  const std::string text = format_memory_plan(ep8, "flash");
+  for (const char* s : {"per rank", "adapter_optimizer", "CSA indexer's picks of 21 layers",
+                        "MTP block", "RoPE cos/sin tables"})
+    EXPECT_NE(text.find(s), std::string::npos) << s << "\n" << text;
+  EXPECT_EQ(one.tokens_per_rank, 4096);
+  EXPECT_EQ(ep8.local_experts, 32);
+  // Routed experts, MXFP4: 43 layers + the MTP block, 256 x 3 x 4096 x 2048 weights at 4.25 bits.
+  const int64_t experts = int64_t{44} * 256 * 3 * 4096 * 2048;
+  EXPECT_EQ(one[MemCategory::Weights] - ep8[MemCategory::Weights],
+            (experts / 2 + experts / 32) / 8 * 7);
+  // Grouped expert adapters split with the experts (the MTP block has none).
+  EXPECT_LT(ep8[MemCategory::AdapterWeights], one[MemCategory::AdapterWeights] / 4);
+  EXPECT_EQ(ep8[MemCategory::AdapterOptimizer], 2 * ep8[MemCategory::AdapterWeights]);
+  EXPECT_EQ(one[MemCategory::Grads] + one[MemCategory::Optimizer], 0);
+  // Balanced routing: every rank's experts compute as many rows as at EP 1.
+  EXPECT_EQ(ep8[MemCategory::Activations], one[MemCategory::Activations]);
+  // Skewed routing moves the MoE activations with it.
+  const MemoryPlan skewed = plan_training_memory(cfg, mc, 8, 16, 2.0);
+  EXPECT_EQ(skewed.expert_rows_per_rank, 2 * ep8.expert_rows_per_rank);
+  EXPECT_GT(skewed[MemCategory::Activations], ep8[MemCategory::Activations]);
+  std::printf("%s", format_memory_plan(one, "deepseek-v4-flash, 8 ranks, EP 1").c_str());
+  std::printf("%s", text.c_str());
+}
+
 TEST(MemoryPlan, ErrorsNameTheKey) {
   const TrainConfig cfg = pretrain_config("small", "fp32", 6, 32, "", "err");
   const ModelConfig mc = resolve_plan_model(cfg);
@@ -272,6 +348,33 @@ TEST(MemoryPlan, ErrorsNameTheKey) {
   EXPECT_NE(error_of([&] { plan_training_memory(ft, resolve_plan_model(ft)); })
                 .find("nothing_proj"),
             std::string::npos);
+  // V4's adapters follow DeepSeekV4Model::add_lora's rules, refusals included.
+  TrainConfig v4 = finetune_config("debug-v4", "auto", 2, 16, "targets = [\"o_a_proj\"]", "err3");
+  EXPECT_NE(error_of([&] { plan_training_memory(v4, resolve_plan_model(v4)); })
+                .find("self_attn.o_a_proj (released attn.wo_a), which LoRA cannot adapt"),
+            std::string::npos);
+  v4 = finetune_config("debug-v4", "auto", 2, 16, "targets = [\"gate_proj\"]", "err4");
+  EXPECT_NE(error_of([&] { plan_training_memory(v4, resolve_plan_model(v4)); })
+                .find("select both (e.g. targets gate_proj and up_proj) or neither"),
+            std::string::npos);
+}
+
+// `moe plan` prints the plan of DeepSeek-V4-Flash for a LoRA fine-tune at EP 8, one sequence of
+// 4096 tokens per rank.
+TEST(MemoryPlan, CliPrintsTheV4FlashPlan) {
+  const std::string moe = std::string(MOE_BINARY_DIR) + "/moe";
+  ASSERT_TRUE(fs::exists(moe)) << moe;
+  const std::string cmd = moe + " --threads 8 plan --config " + MOE_SOURCE_DIR +
+                          "/configs/finetune-small.toml --model deepseek-v4-flash "
+                          "--model.experts mxfp4 --data.batch_size 8 --data.seq_len 4096 "
+                          "--ranks 8 --ep 8 2>&1";
+  const moe::testing::CommandResult run = moe::testing::run_command(cmd);
+  const std::string& out = run.output;
+  EXPECT_EQ(run.status, 0) << out;
+  for (const char* s : {"per rank", "deepseek-v4-flash", "adapter_optimizer", "32 of 256", "total",
+                        "CSA indexer"})
+    EXPECT_NE(out.find(s), std::string::npos) << s << "\n" << out;
+  std::printf("%s", out.c_str());
 }
 
 // `moe plan` prints the plan of the real DeepSeek-V3 for a fine-tune at EP 8.

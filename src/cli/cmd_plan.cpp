@@ -45,6 +45,17 @@ bool toml_has(const std::string& file, const std::string& section, const std::st
   }
 }
 
+// V4: how many of the main layers attend compressed entries, "21 CSA (top-512) + 20 HCA".
+std::string describe_compressed_layers(const ModelConfig& mc) {
+  int64_t csa = 0, hca = 0;
+  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) {
+    const int64_t r = mc.compress_ratio(l);
+    csa += r == 4;
+    hca += r > 0 && r != 4;
+  }
+  return fmt::format("{} CSA (top-{}) + {} HCA", csa, mc.index_topk, hca);
+}
+
 void run_plan(const PlanArgs& a, const std::vector<std::string>& extras) {
   MOE_CHECK(!a.config_file.empty(), "--config is required (a `moe train` or `moe finetune` TOML "
             "configuration; /dev/null for the defaults)");
@@ -91,12 +102,18 @@ void run_plan(const PlanArgs& a, const std::vector<std::string>& extras) {
     return;
   }
   if (!note.empty()) fmt::print("note: {}\n", note);
+  const std::string attention =
+      mc.is_v4() ? fmt::format("attention heads {} x {}, window {}, compressed layers: {}, hc_mult "
+                               "{}{}",
+                               mc.num_attention_heads, mc.head_dim, mc.sliding_window,
+                               describe_compressed_layers(mc), mc.hc_mult,
+                               mc.num_nextn_predict_layers > 0 ? ", MTP" : "")
+                 : fmt::format("MLA heads {}, q_lora_rank {}, kv_lora_rank {}",
+                               mc.num_attention_heads, mc.q_lora_rank, mc.kv_lora_rank);
   const std::string title = fmt::format(
-      "memory plan{}: {} ({} layers, hidden {}, vocab {}, {} routed experts top-{}, MLA heads {}, "
-      "q_lora_rank {}, kv_lora_rank {})",
+      "memory plan{}: {} ({} layers, hidden {}, vocab {}, {} routed experts top-{}, {})",
       plan.world_size > 1 ? " per rank" : "", model_name, mc.num_hidden_layers, mc.hidden_size,
-      mc.vocab_size, mc.n_routed_experts, mc.num_experts_per_tok, mc.num_attention_heads,
-      mc.q_lora_rank, mc.kv_lora_rank);
+      mc.vocab_size, mc.n_routed_experts, mc.num_experts_per_tok, attention);
   fmt::print("{}", format_memory_plan(plan, title));
   if (plan.ep > 1)
     fmt::print("routing assumed balanced: each rank's experts compute {} rows per MoE layer "

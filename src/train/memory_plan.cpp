@@ -1,6 +1,7 @@
 #include "train/memory_plan.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "kernels/mxfp4.h"
 #include "lora/lora_config.h"
 #include "model/lm_head_loss.h"
+#include "model/v4/v4_lora.h"
 #include "train/memory_replay.h"
 
 namespace moe {
@@ -29,6 +31,8 @@ using memory_replay::Dims;
 using memory_replay::LayerShape;
 using memory_replay::Ledger;
 using memory_replay::Lin;
+using memory_replay::V4Dims;
+using memory_replay::V4LayerShape;
 using memory_replay::Workspace;
 
 // ---------------------------------------------------------------- static parts
@@ -38,6 +42,7 @@ struct Statics {
   int64_t expert_fp32 = 0;         // of which routed experts
   int64_t expert_packed_bytes = 0; // MXFP4 routed experts (data + scales)
   int64_t embed_head = 0;          // embedding + LM head (fp32 floats)
+  int64_t frozen_fp32 = 0;         // fp32 tensors that never train (V4: indexers, hash tables)
   int64_t trainable = 0;           // floats with gradient and AdamW moments (pretraining)
   int64_t adapters_dense = 0, adapters_experts = 0;  // adapter floats
 };
@@ -62,77 +67,23 @@ int64_t MemoryPlan::total_peak() const {
   return s;
 }
 
-MemoryPlan plan_training_memory(const TrainConfig& cfg, const ModelConfig& mc, int world_size,
-                                int threads, double expert_load) {
-  mc.validate("model config");
-  // The plan replays the V2/V3 model's allocations (MLA, dense layers); V4's differ throughout.
-  MOE_CHECK(!mc.is_v4(), "moe plan: model_type \"deepseek_v4\" has no training memory plan yet "
-            "(`moe info --config` prints its parameters and weight memory)");
-  MOE_CHECK(world_size >= 1, "--ranks: expected at least 1 rank, got {}", world_size);
-  const int64_t W = world_size, ep = cfg.parallel.ep;
-  MOE_CHECK(cfg.data.batch_size % W == 0,
-            "data.batch_size = {}: must be divisible by the number of ranks ({}), each rank "
-            "taking an equal part of every batch", cfg.data.batch_size, W);
-  MOE_CHECK(ep >= 1 && W % ep == 0, "parallel.ep = {}: must divide the number of ranks ({})", ep,
-            W);
-  const int64_t E = mc.n_routed_experts;
-  MOE_CHECK(ep == 1 || (E >= ep && E % ep == 0),
-            "parallel.ep = {}: {} routed experts cannot be split evenly over {} ranks", ep, E, ep);
-  MOE_CHECK(cfg.data.seq_len <= mc.max_position_embeddings,
-            "data.seq_len: expected an integer <= model.max_position_embeddings ({}), got {}",
-            mc.max_position_embeddings, cfg.data.seq_len);
+namespace {
 
-  Dims d;
-  d.B = cfg.data.batch_size / W;
-  d.S = cfg.data.seq_len;
-  d.T = d.B * d.S;
-  d.D = mc.hidden_size;
-  d.V = mc.vocab_size;
-  d.L = mc.num_hidden_layers;
-  d.H = mc.num_attention_heads;
-  d.dn = mc.qk_nope_head_dim;
-  d.dr = mc.qk_rope_head_dim;
-  d.dv = mc.v_head_dim;
-  d.qr = mc.q_lora_rank;
-  d.kvr = mc.kv_lora_rank;
-  d.E = E;
-  d.E_loc = E / ep;
-  d.k = mc.num_experts_per_tok;
-  d.Im = mc.moe_intermediate_size;
-  d.slots = d.T * d.k;
-  // Balanced routing: each rank's experts receive as many rows as its tokens send. Under expert
-  // parallelism a rank may receive more (expert_load: its busiest layer's share, 1 = balanced).
-  MOE_CHECK(expert_load >= 1.0 && (ep == 1 || expert_load <= static_cast<double>(ep)),
-            "--expert-load {}: expected a factor between 1 (balanced) and the EP size {}",
-            expert_load, ep);
-  d.R = ep > 1 ? static_cast<int64_t>(std::ceil(expert_load * static_cast<double>(d.slots)))
-               : d.slots;
-  d.ep = ep;
-  d.threads = threads > 0 ? threads : num_threads();
-  d.finetune = cfg.finetune;
-  d.mxfp4 = mc.mxfp4_experts();
-  d.base_grads = !cfg.finetune;
-  d.experts_trainable = !cfg.finetune && !d.mxfp4;
-  d.dropout = cfg.finetune && cfg.lora.dropout > 0;
-  d.aux = mc.aux_loss_alpha > 0;
-
-  // Which modules carry adapters, as DeepSeekModel::add_lora decides.
-  std::optional<LoraSettings> lora;
+// The adapters a configuration asks for: which modules carry them (match) and their ranks.
+struct Adapters {
   std::optional<LoraTargetMatcher> match;
-  if (cfg.finetune) {
-    lora = lora_settings(cfg);
-    lora->validate("lora");
-    match.emplace(*lora);
-  }
-  const int64_t r_dense = lora ? lora->shape_for(false).rank : 0;
-  const int64_t r_expert = lora ? lora->shape_for(true).rank : 0;
-  auto rank_of = [&](const std::string& module) -> int64_t {
-    return match && match->matches(module) ? r_dense : 0;
-  };
+  int64_t r_dense = 0, r_expert = 0;
+};
 
-  const int64_t qk = d.dn + d.dr;
+// DeepSeekModel's layers (model/model.cpp) and its static parts; adapters as its add_lora
+// decides.
+std::vector<LayerShape> v3_layers(const ModelConfig& mc, const Dims& d, Adapters& ad,
+                                  Statics& st) {
+  auto rank_of = [&](const std::string& module) -> int64_t {
+    return ad.match && ad.match->matches(module) ? ad.r_dense : 0;
+  };
+  const int64_t qk = d.dn + d.dr, E = d.E;
   std::vector<LayerShape> layers;
-  Statics st;
   st.embed_head = 2 * d.V * d.D;
   st.fp32_weights = st.embed_head + d.D;  // + final norm
   st.trainable = st.fp32_weights;
@@ -182,19 +133,19 @@ MemoryPlan plan_training_memory(const TrainConfig& cfg, const ModelConfig& mc, i
         st.expert_fp32 += experts;
         st.trainable += experts;
       }
-      if (match) {
+      if (ad.match) {
         for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
           int64_t hits = 0;
           for (int64_t e = 0; e < E; ++e)
-            hits += match->matches(p + "mlp.experts." + std::to_string(e) + "." + proj);
+            hits += ad.match->matches(p + "mlp.experts." + std::to_string(e) + "." + proj);
           MOE_CHECK(hits == 0 || hits == E,
                     "lora: the targets select {} of the {} routed experts' {} in {}mlp.experts.*; "
                     "routed experts are adapted all together (one grouped adapter per layer): "
                     "select all or none", hits, E, proj, p);
           if (hits == 0) continue;
           const std::string_view pr(proj);
-          (pr == "gate_proj" ? L.er_gate : pr == "up_proj" ? L.er_up : L.er_down) = r_expert;
-          st.adapters_experts += d.E_loc * r_expert * (d.D + d.Im);
+          (pr == "gate_proj" ? L.er_gate : pr == "up_proj" ? L.er_up : L.er_down) = ad.r_expert;
+          st.adapters_experts += d.E_loc * ad.r_expert * (d.D + d.Im);
         }
       }
     }
@@ -202,7 +153,195 @@ MemoryPlan plan_training_memory(const TrainConfig& cfg, const ModelConfig& mc, i
       st.adapters_dense += lin->adapter_params();
     layers.push_back(L);
   }
-  if (match) match->check_all_used("lora");
+  if (ad.match) ad.match->check_all_used("lora");
+  return layers;
+}
+
+// DeepSeekV4Model's blocks (model/v4/v4_model.cpp), the MTP block last, and its static parts:
+// every tensor its constructor allocates (frozen ones too: the CSA indexers, the hash tables,
+// the router biases, the attention's per-head norm weight of ones); adapters as its add_lora
+// decides (select_v4_lora); the MTP block is never adapted.
+std::vector<V4LayerShape> v4_layers(const ModelConfig& mc, const Dims& d, const V4Dims& v,
+                                    Adapters& ad, Statics& st) {
+  const int64_t D = d.D, n = v.n, M = v.mixes(), H = v.H, hd = v.hd, ql = v.q_lora;
+  const int64_t go = v.o_groups * v.o_lora, E = d.E, Is = d.Im * mc.n_shared_experts;
+  const int64_t hc_head = n * n * D + n + 1;
+  st.embed_head = 2 * d.V * D;
+  st.fp32_weights = st.embed_head + D + hc_head;  // + final norm, hc_head
+  st.trainable = st.fp32_weights;
+  if (v.mtp) {
+    const int64_t mtp = 3 * D + 2 * D * D + hc_head;  // enorm, hnorm, norm, e_proj, h_proj
+    st.fp32_weights += mtp;
+    st.trainable += mtp;
+  }
+  std::vector<V4LayerShape> layers;
+  const int64_t blocks = d.L + (v.mtp ? 1 : 0);
+  for (int64_t l = 0; l < blocks; ++l) {
+    V4LayerShape L;
+    L.ratio = mc.compress_ratio(l);
+    const bool hash = l < mc.num_hash_layers;
+    // Trained: the two mHC sites, norms, attention, compressor, router and shared experts.
+    int64_t trained = 2 * (M * n * D + M + 3) + 2 * D;
+    trained += ql * D + ql + H * hd * ql + hd * D + hd + go * (H * hd / v.o_groups) + D * go + H;
+    if (L.ratio > 0) {
+      const int64_t coff = L.ratio == 4 ? 2 : 1;
+      trained += 2 * coff * hd * D + L.ratio * coff * hd + hd;
+    }
+    trained += E * D + 3 * D * Is;
+    // Frozen: the per-head norm's weight of ones, the indexer, the router bias (allocated in
+    // hash layers too) and the hash table (ids held as floats).
+    int64_t frozen = hd + E + (hash ? d.V * d.k : 0);
+    if (L.ratio == 4) {
+      const int64_t di = v.index_dim, hi = v.index_heads;
+      frozen += hi * di * ql + hi * D + 2 * 2 * di * D + 4 * 2 * di + di;
+    }
+    st.fp32_weights += trained + frozen;
+    st.frozen_fp32 += frozen;
+    st.trainable += trained;
+    const int64_t experts = d.E_loc * 3 * D * d.Im;
+    if (d.mxfp4) {
+      st.expert_packed_bytes += experts / 2 + experts / mxfp4::kBlock;
+    } else {
+      st.fp32_weights += experts;
+      st.expert_fp32 += experts;
+      st.trainable += experts;
+    }
+
+    V4LayerLora sel;
+    const bool adapted = ad.match && l < d.L;
+    if (adapted) sel = select_v4_lora(mc, l, *ad.match, "lora");
+    auto rank = [&](bool on) { return on ? ad.r_dense : 0; };
+    L.wq_a = {D, ql, rank(sel.wq_a)};
+    L.wq_b = {ql, H * hd, rank(sel.wq_b)};
+    L.wkv = {D, hd, rank(sel.wkv)};
+    L.wo_b = {go, D, rank(sel.wo_b)};
+    LayerShape& F = L.ffn;
+    F.moe = true;
+    if (Is > 0) {
+      F.gate = {D, Is, rank(sel.shared[0])};
+      F.up = {D, Is, rank(sel.shared[1])};
+      F.down = {Is, D, rank(sel.shared[2])};
+    }
+    int64_t* expert_ranks[3] = {&F.er_gate, &F.er_up, &F.er_down};
+    for (size_t part = 0; part < 3; ++part) {
+      if (!sel.experts[part]) continue;
+      *expert_ranks[part] = ad.r_expert;
+      st.adapters_experts += d.E_loc * ad.r_expert * (D + d.Im);
+    }
+    for (const Lin* lin : {&L.wq_a, &L.wq_b, &L.wkv, &L.wo_b, &F.gate, &F.up, &F.down})
+      st.adapters_dense += lin->adapter_params();
+    layers.push_back(L);
+  }
+  if (ad.match) check_v4_lora_targets_used(mc, *ad.match, "lora");
+  return layers;
+}
+
+// "1.2 MiB per CSA layer, ..." from each kind's first layer.
+std::string describe_v4_layers(const std::vector<V4LayerShape>& layers, bool mtp,
+                               const std::vector<int64_t>& saved) {
+  std::vector<std::string> parts;
+  std::vector<std::string> seen;
+  const size_t main = layers.size() - (mtp ? 1 : 0);
+  for (size_t l = 0; l < main && l < saved.size(); ++l) {
+    const int64_t r = layers[l].ratio;
+    const std::string kind = r == 0 ? "sliding-window" : r == 4 ? "CSA" : "HCA";
+    if (std::find(seen.begin(), seen.end(), kind) != seen.end()) continue;
+    seen.push_back(kind);
+    parts.push_back(fmt::format("{} per {} layer", format_bytes(saved[l]), kind));
+  }
+  if (mtp && saved.size() == layers.size())
+    parts.push_back(fmt::format("{} the MTP block", format_bytes(saved.back())));
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
+}  // namespace
+
+MemoryPlan plan_training_memory(const TrainConfig& cfg, const ModelConfig& mc, int world_size,
+                                int threads, double expert_load) {
+  mc.validate("model config");
+  const bool v4 = mc.is_v4();
+  MOE_CHECK(world_size >= 1, "--ranks: expected at least 1 rank, got {}", world_size);
+  const int64_t W = world_size, ep = cfg.parallel.ep;
+  MOE_CHECK(cfg.data.batch_size % W == 0,
+            "data.batch_size = {}: must be divisible by the number of ranks ({}), each rank "
+            "taking an equal part of every batch", cfg.data.batch_size, W);
+  MOE_CHECK(ep >= 1 && W % ep == 0, "parallel.ep = {}: must divide the number of ranks ({})", ep,
+            W);
+  const int64_t E = mc.n_routed_experts;
+  MOE_CHECK(ep == 1 || (E >= ep && E % ep == 0),
+            "parallel.ep = {}: {} routed experts cannot be split evenly over {} ranks", ep, E, ep);
+  MOE_CHECK(cfg.data.seq_len <= mc.max_position_embeddings,
+            "data.seq_len: expected an integer <= model.max_position_embeddings ({}), got {}",
+            mc.max_position_embeddings, cfg.data.seq_len);
+
+  Dims d;
+  d.B = cfg.data.batch_size / W;
+  d.S = cfg.data.seq_len;
+  d.T = d.B * d.S;
+  d.D = mc.hidden_size;
+  d.V = mc.vocab_size;
+  d.L = mc.num_hidden_layers;
+  d.H = mc.num_attention_heads;
+  d.dn = mc.qk_nope_head_dim;
+  d.dr = mc.qk_rope_head_dim;
+  d.dv = mc.v_head_dim;
+  d.qr = mc.q_lora_rank;
+  d.kvr = mc.kv_lora_rank;
+  d.E = E;
+  d.E_loc = E / ep;
+  d.k = mc.num_experts_per_tok;
+  d.Im = mc.moe_intermediate_size;
+  d.slots = d.T * d.k;
+  // Balanced routing: each rank's experts receive as many rows as its tokens send. Under expert
+  // parallelism a rank may receive more (expert_load: its busiest layer's share, 1 = balanced).
+  MOE_CHECK(expert_load >= 1.0 && (ep == 1 || expert_load <= static_cast<double>(ep)),
+            "--expert-load {}: expected a factor between 1 (balanced) and the EP size {}",
+            expert_load, ep);
+  d.R = ep > 1 ? static_cast<int64_t>(std::ceil(expert_load * static_cast<double>(d.slots)))
+               : d.slots;
+  d.ep = ep;
+  d.threads = threads > 0 ? threads : num_threads();
+  d.finetune = cfg.finetune;
+  d.mxfp4 = mc.mxfp4_experts();
+  d.base_grads = !cfg.finetune;
+  d.experts_trainable = !cfg.finetune && !d.mxfp4;
+  d.dropout = cfg.finetune && cfg.lora.dropout > 0;
+  d.aux = mc.aux_loss_alpha > 0;
+
+  V4Dims v;
+  if (v4) {
+    v.n = mc.hc_mult;
+    v.sinkhorn_iters = mc.hc_sinkhorn_iters;
+    v.H = mc.num_attention_heads;
+    v.hd = mc.head_dim;
+    v.rope = mc.qk_rope_head_dim;
+    v.q_lora = mc.q_lora_rank;
+    v.o_groups = mc.o_groups;
+    v.o_lora = mc.o_lora_rank;
+    v.window = mc.sliding_window;
+    v.index_heads = mc.index_n_heads;
+    v.index_dim = mc.index_head_dim;
+    v.index_topk = mc.index_topk;
+    v.mtp = mc.num_nextn_predict_layers > 0;
+  }
+
+  // Which modules carry adapters, as the model's add_lora decides.
+  std::optional<LoraSettings> lora;
+  Adapters ad;
+  if (cfg.finetune) {
+    lora = lora_settings(cfg);
+    lora->validate("lora");
+    ad.match.emplace(*lora);
+    ad.r_dense = lora->shape_for(false).rank;
+    ad.r_expert = lora->shape_for(true).rank;
+  }
+  Statics st;
+  std::vector<LayerShape> layers;
+  std::vector<V4LayerShape> blocks;
+  if (v4)
+    blocks = v4_layers(mc, d, v, ad, st);
+  else
+    layers = v3_layers(mc, d, ad, st);
   if (cfg.finetune) st.trainable = 0;
 
   MemoryPlan plan;
@@ -219,15 +358,16 @@ MemoryPlan plan_training_memory(const TrainConfig& cfg, const ModelConfig& mc, i
   plan.threads = d.threads;
   plan.expert_format = mc.expert_format;
   plan.simd = simd::name(simd::current());
-  plan.lora_r = r_dense;
-  plan.lora_expert_r = r_expert;
+  plan.lora_r = ad.r_dense;
+  plan.lora_expert_r = ad.r_expert;
   plan.adapter_params = st.adapters_dense + st.adapters_experts;
   plan.trainable_params = st.trainable;
 
-  // The static categories, then one replayed micro-batch on top of them.
+  // The static categories, then one replayed micro-batch on top of them. V3's RoPE table is
+  // sized by the sequence; V4's two tables grow inside the replay, as the first step grows them.
   Ledger ledger;
   Workspace ws(simd::current());
-  const int64_t rope_bytes = d.S * d.dr * 4;  // cos and sin [seq, rope/2], built by the first step
+  const int64_t rope_bytes = v4 ? 0 : d.S * d.dr * 4;  // cos and sin [seq, rope/2]
   const int64_t weight_bytes = 4 * st.fp32_weights + st.expert_packed_bytes + rope_bytes;
   const int64_t adapter_bytes = 4 * plan.adapter_params;
   ledger.alloc(MemCategory::Weights, weight_bytes);
@@ -236,7 +376,9 @@ MemoryPlan plan_training_memory(const TrainConfig& cfg, const ModelConfig& mc, i
   ledger.alloc(MemCategory::AdapterWeights, adapter_bytes);
   ledger.alloc(MemCategory::AdapterGrads, adapter_bytes);
   ledger.alloc(MemCategory::AdapterOptimizer, 2 * adapter_bytes);
-  const memory_replay::ReplayResult replay = memory_replay::replay_training_step(d, layers, ledger, ws);
+  const memory_replay::ReplayResult replay =
+      v4 ? memory_replay::replay_v4_training_step(d, v, blocks, ledger, ws)
+         : memory_replay::replay_training_step(d, layers, ledger, ws);
   for (int c = 0; c < kMemCategoryCount; ++c)
     plan.peak[static_cast<size_t>(c)] = ledger.peak(static_cast<MemCategory>(c));
   plan.peak[at(MemCategory::Workspace)] = ws.bytes(d.threads);
@@ -256,62 +398,96 @@ MemoryPlan plan_training_memory(const TrainConfig& cfg, const ModelConfig& mc, i
     why(MemCategory::Weights, fmt::format("fp32 base incl. routed experts ({})", experts_where));
   }
   line(MemCategory::Weights, "embedding + LM head (fp32)", 4 * st.embed_head);
-  line(MemCategory::Weights, "attention, norms, router, dense and shared MLPs (fp32)",
-       4 * (st.fp32_weights - st.embed_head - st.expert_fp32));
+  line(MemCategory::Weights,
+       v4 ? fmt::format("attention + compressors, mHC, norms, routers, shared experts{} (fp32)",
+                        v.mtp ? ", MTP module" : "")
+          : std::string("attention, norms, router, dense and shared MLPs (fp32)"),
+       4 * (st.fp32_weights - st.embed_head - st.expert_fp32 - st.frozen_fp32));
+  line(MemCategory::Weights,
+       "never trained: CSA indexers, hash-routing tables, router biases (fp32)",
+       4 * st.frozen_fp32);
   line(MemCategory::Weights, fmt::format("routed experts, fp32 ({})", experts_where),
        4 * st.expert_fp32);
   line(MemCategory::Weights,
        fmt::format("routed experts, MXFP4 packed: data out·in/2 + scales out·in/32 bytes ({})",
                    experts_where),
        st.expert_packed_bytes);
-  line(MemCategory::Weights, fmt::format("RoPE cos/sin table [{}, {}] x 2", d.S, d.dr / 2),
-       rope_bytes);
+  if (v4) {
+    line(MemCategory::Weights,
+         "RoPE cos/sin tables (sliding-window and compressed), grown by the first step: old and "
+         "new together for a moment",
+         plan[MemCategory::Weights] - weight_bytes);
+  } else {
+    line(MemCategory::Weights, fmt::format("RoPE cos/sin table [{}, {}] x 2", d.S, d.dr / 2),
+         rope_bytes);
+  }
   if (cfg.finetune) {
     why(MemCategory::Grads, "none: the base is frozen");
     why(MemCategory::Optimizer, "none: the base is frozen");
     why(MemCategory::AdapterWeights,
-        fmt::format("LoRA A [r, in] + B [out, r], r {}{}: {} parameters", r_dense,
-                    r_expert != r_dense ? fmt::format(" (routed experts {})", r_expert) : "",
+        fmt::format("LoRA A [r, in] + B [out, r], r {}{}: {} parameters", ad.r_dense,
+                    ad.r_expert != ad.r_dense ? fmt::format(" (routed experts {})", ad.r_expert)
+                                              : "",
                     format_count_short(static_cast<double>(plan.adapter_params))));
     why(MemCategory::AdapterGrads, "one fp32 gradient per adapter weight");
     why(MemCategory::AdapterOptimizer, "AdamW first and second moments (2 x adapter weights)");
-    line(MemCategory::AdapterWeights, "attention, dense and shared-MLP adapters",
+    line(MemCategory::AdapterWeights,
+         v4 ? "attention and shared-expert adapters" : "attention, dense and shared-MLP adapters",
          4 * st.adapters_dense);
     line(MemCategory::AdapterWeights,
          fmt::format("routed-expert adapters (grouped, {} experts per layer)", d.E_loc),
          4 * st.adapters_experts);
   } else {
-    why(MemCategory::Grads, fmt::format("fp32 gradient of every trainable weight ({} params{})",
-                                        format_count_short(static_cast<double>(st.trainable)),
-                                        d.mxfp4 ? "; MXFP4 experts frozen" : ""));
+    why(MemCategory::Grads,
+        fmt::format("fp32 gradient of every trainable weight ({} params{}{})",
+                    format_count_short(static_cast<double>(st.trainable)),
+                    d.mxfp4 ? "; MXFP4 experts frozen" : "",
+                    v4 ? "; indexers, hash tables and router biases never train" : ""));
     why(MemCategory::Optimizer, "AdamW first and second moments (2 x trainable weights)");
     why(MemCategory::AdapterWeights, "no adapters (pretraining)");
     why(MemCategory::AdapterGrads, "no adapters (pretraining)");
     why(MemCategory::AdapterOptimizer, "no adapters (pretraining)");
   }
-  int64_t dense_layer = 0, moe_layer = 0;
-  for (size_t l = 0; l < layers.size(); ++l)
-    (layers[l].moe ? moe_layer : dense_layer) = replay.saved_per_layer[l];
   const int64_t saved = replay.saved_after_forward;
+  std::string per_layer;
+  if (v4) {
+    per_layer = describe_v4_layers(blocks, v.mtp, replay.saved_per_layer);
+  } else {
+    int64_t dense_layer = 0, moe_layer = 0;
+    for (size_t l = 0; l < layers.size(); ++l)
+      (layers[l].moe ? moe_layer : dense_layer) = replay.saved_per_layer[l];
+    per_layer = fmt::format("{} per MoE layer{}", format_bytes(moe_layer),
+                            dense_layer > 0
+                                ? fmt::format(", {} per dense layer", format_bytes(dense_layer))
+                                : "");
+  }
   why(MemCategory::Activations,
-      fmt::format("{} saved for backward ({} per MoE layer{}; {}) + {} live at the peak, in {}",
-                  format_bytes(saved), format_bytes(moe_layer),
-                  dense_layer > 0 ? fmt::format(", {} per dense layer", format_bytes(dense_layer))
-                                  : "",
-                  describe_bytes_per_token(saved, d.T),
+      fmt::format("{} saved for backward ({}; {}) + {} live at the peak, in {}",
+                  format_bytes(saved), per_layer, describe_bytes_per_token(saved, d.T),
                   format_bytes(plan[MemCategory::Activations] - saved),
                   ledger.peak_phase(MemCategory::Activations)));
-  const auto moe_layers =
-      std::count_if(layers.begin(), layers.end(), [](const LayerShape& L) { return L.moe; });
+  const int64_t moe_layers =
+      v4 ? static_cast<int64_t>(blocks.size())
+         : std::count_if(layers.begin(), layers.end(), [](const LayerShape& L) { return L.moe; });
+  const int64_t csa_layers = std::count_if(blocks.begin(), blocks.end(),
+                                           [](const V4LayerShape& L) { return L.ratio == 4; });
   why(MemCategory::Routing,
-      fmt::format("dispatch handles of {} MoE layers ({} token slots{}{}), held until backward",
+      fmt::format("dispatch handles of {} MoE layers ({} token slots{}{}){}, held until backward",
                   moe_layers, d.slots, ep > 1 ? fmt::format(", {} expert rows", d.R) : "",
-                  d.dropout ? " + dropout row keys" : ""));
+                  d.dropout ? " + dropout row keys" : "",
+                  csa_layers > 0 ? fmt::format(" + the CSA indexer's picks of {} layers ({} per "
+                                               "token)", csa_layers, v.index_topk)
+                                 : ""));
   why(MemCategory::Scratch,
-      fmt::format("{}: attention positions of every layer + the transient buffer of that moment "
-                  "(logits chunk {} x {} or attention slabs)",
-                  ledger.peak_phase(MemCategory::Scratch),
-                  std::min(LMHeadLoss::chunk_rows(d.V), d.T), d.V));
+      v4 ? fmt::format("{}: that moment's per-thread slabs (attention scores, mHC Sinkhorn "
+                       "traces, compressor pooling) and transients (logits chunk {} x {}, "
+                       "positions)",
+                       ledger.peak_phase(MemCategory::Scratch),
+                       std::min(LMHeadLoss::chunk_rows(d.V), d.T), d.V)
+         : fmt::format("{}: attention positions of every layer + the transient buffer of that "
+                       "moment (logits chunk {} x {} or attention slabs)",
+                       ledger.peak_phase(MemCategory::Scratch),
+                       std::min(LMHeadLoss::chunk_rows(d.V), d.T), d.V));
   why(MemCategory::Workspace,
       fmt::format("matmul packing buffers: {} threads, {} kernels (main thread {})", d.threads,
                   plan.simd, format_bytes(ws.main_bytes())));

@@ -5,15 +5,18 @@
 // How: the static categories are counted from the shapes the model allocates (weights by format:
 // fp32 or MXFP4-packed routed experts; gradients and AdamW moments of what trains; adapters,
 // their gradients and moments). The step-time categories (activations, routing, scratch) come
-// from a replay of one training micro-batch: every tensor DeepSeekModel's forward and backward
-// allocate and free (model/*.h, moe/*.h, lora/lora_adapter.h: what each layer saves for backward
-// and its backward transients), in the engine's order, with the engine's sizes, recorded into a
-// ledger whose per-category peaks are what MemoryTracker reports. Workspace (the kernels'
-// per-thread packing buffers, kernels/kernel_scratch.h) is the largest buffer each thread's
-// matmuls ask for, from the same replay's matmul shapes.
+// from a replay of one training micro-batch: every tensor the model's forward and backward
+// allocate and free (DeepSeekModel: model/*.h; DeepSeekV4Model: model/v4/*.h, its mHC sites,
+// compressors, CSA indexer, MTP module and the RoPE tables its first step grows; both: moe/*.h,
+// lora/lora_adapter.h: what each layer saves for backward and its backward transients), in the
+// engine's order, with the engine's sizes, recorded into a ledger whose per-category peaks are
+// what MemoryTracker reports (train/memory_replay.h). Workspace (the kernels' per-thread packing
+// buffers, kernels/kernel_scratch.h) is the largest buffer each thread's matmuls ask for, from
+// the same replay's matmul shapes.
 //
 // Everything but the workspace is exact for a single process (tests/test_memory_plan.cpp checks
-// real runs of the debug and small presets: byte for byte today, and the total to 5%); the
+// real runs of the debug, small, debug-v4 and small-v4 presets: byte for byte today, and the
+// total to 5%); the
 // workspace is an upper bound (every thread sized for the largest matmul it may run). Under
 // expert parallelism the rows a rank's experts compute depend on the routing: the plan assumes
 // balanced routing (tokens_per_rank·k rows per MoE layer) unless told a load factor, and is

@@ -8,6 +8,7 @@
 
 #include "kernels/mxfp4.h"
 #include "model/lm_head_loss.h"
+#include "train/memory_replay_parts.h"
 
 namespace moe::memory_replay {
 
@@ -16,40 +17,262 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
-// One tensor storage of the replay: charged while a reference lives, like core/tensor.h's.
-class Chunk {
- public:
-  Chunk(Ledger& l, MemCategory c, int64_t bytes) : ledger_(l), category_(c), bytes_(bytes) {
-    ledger_.alloc(c, bytes);
-  }
-  ~Chunk() { ledger_.release(category_, bytes_); }
-  Chunk(const Chunk&) = delete;
-  Chunk& operator=(const Chunk&) = delete;
+}  // namespace
 
- private:
-  Ledger& ledger_;
-  MemCategory category_;
-  int64_t bytes_;
-};
-using Buf = std::shared_ptr<Chunk>;
+// ---------------------------------------------------------------- shared parts
+
+Buf ReplayParts::thread_slabs(int64_t bytes) {
+  return make(MemCategory::Scratch, d_.threads * round_up(std::max<int64_t>(bytes, 1), 64));
+}
+
+// ---------------------------------------------------------- Linear + LoRA (layers.cpp)
+
+Buf ReplayParts::lora_project(const Lin& l, int64_t rows) {
+  Buf xd = d_.dropout ? act(rows * l.in) : Buf();
+  Buf xs = act(rows * l.r);
+  ws_.top(rows, l.r, l.in);
+  return xs;
+}
+
+Buf ReplayParts::linear_forward(const Lin& l, int64_t rows) {
+  Buf y = act(rows * l.out);
+  ws_.top(rows, l.out, l.in);
+  if (l.r) {
+    Buf xs = lora_project(l, rows);
+    ws_.top(rows, l.out, l.r);
+  }
+  return y;
+}
+
+Buf ReplayParts::linear_backward(const Lin& l, int64_t rows, bool new_dx) {
+  const int64_t T = rows;
+  Buf dx = new_dx ? act(T * l.in) : Buf();
+  ws_.top(T, l.in, l.out);
+  if (l.r) {
+    Buf g = act(T * l.r);
+    ws_.top(T, l.r, l.out);
+    {
+      Buf d_xd = d_.dropout ? act(T * l.in) : Buf();
+      ws_.top(T, l.in, l.r);
+    }
+    {
+      Buf xs = lora_project(l, rows);
+      ws_.top(l.out, l.r, T);
+    }
+    {
+      Buf xd = d_.dropout ? act(T * l.in) : Buf();
+      ws_.top(l.r, l.in, T);
+    }
+  }
+  if (d_.base_grads) ws_.top(l.out, l.in, T);
+  return dx;
+}
+
+Buf ReplayParts::norm_forward(const Buf& x, int64_t rows, int64_t dim, NormSaved& s) {
+  Buf y = act(rows * dim);
+  s.rstd = act(rows);
+  s.x = x;
+  return y;
+}
+
+// ---------------------------------------------------------- SwiGLU (dense MLP, shared experts)
+
+Buf ReplayParts::swiglu_forward(const LayerShape& L, SwigluSaved& s) {
+  Buf g = linear_forward(L.gate);
+  Buf u = linear_forward(L.up);
+  Buf h = act(d_.T * L.gate.out);
+  s.g = g;
+  s.u = u;
+  return linear_forward(L.down);
+}
+
+Buf ReplayParts::swiglu_backward(const LayerShape& L, SwigluSaved& s) {
+  Buf dh;
+  {
+    Buf h = keeps_input(L.down) ? act(d_.T * L.gate.out) : Buf();
+    dh = linear_backward(L.down);
+  }
+  Buf dx = linear_backward(L.gate);
+  linear_backward(L.up, /*new_dx=*/false);
+  s = {};
+  return dx;
+}
+
+// ---------------------------------------------------------- routed experts (moe_layer.cpp)
+
+void ReplayParts::grouped_forward_add(int64_t in, int64_t out, int64_t r) {
+  Buf xd = d_.dropout ? act(d_.R * in) : Buf();
+  Buf xs = act(d_.R * r);
+  ws_.serial(64, r, in);
+  ws_.serial(64, out, r);
+}
+
+Buf ReplayParts::grouped_grad_input(int64_t in, int64_t out, int64_t r) {
+  Buf g = act(d_.R * r);
+  Buf d_xd = d_.dropout ? act(d_.R * in) : Buf();
+  ws_.serial(64, r, out);
+  ws_.serial(64, in, r);
+  return g;
+}
+
+void ReplayParts::grouped_grad_weights(int64_t in, int64_t out, int64_t r) {
+  Buf xd = d_.dropout ? act(d_.R * in) : Buf();
+  Buf xs = act(d_.R * r);
+  ws_.serial(64, r, in);
+  const int64_t n = d_.max_rows_per_expert();
+  ws_.serial(std::min<int64_t>(1024, out), r, n);
+  ws_.serial(r, std::min<int64_t>(1024, in), n);
+}
+
+// Base expert matmuls: x [rows, in] · W[out, in]ᵀ (nt) or dy [rows, out] · W (nn).
+void ReplayParts::experts_nt(int64_t in, int64_t out) {
+  const int64_t m = std::min<int64_t>(512, d_.max_rows_per_expert());
+  if (d_.mxfp4) return ws_.mxfp4_nt(m);
+  ws_.serial(m, std::min<int64_t>(4096, out), in);
+}
+
+void ReplayParts::experts_nn(int64_t in, int64_t out) {
+  const int64_t m = std::min<int64_t>(512, d_.max_rows_per_expert());
+  if (d_.mxfp4) return ws_.mxfp4_nn(m);
+  ws_.serial(m, std::min<int64_t>(4096, in), out);
+}
+
+void ReplayParts::experts_weight_grad(int64_t in, int64_t out) {
+  ws_.serial(std::min<int64_t>(4096, out), std::min<int64_t>(4096, in), d_.max_rows_per_expert());
+}
+
+Buf ReplayParts::moe_forward(const LayerShape& L, MoeSaved& s) {
+  const int64_t T = d_.T, D = d_.D, E = d_.E, R = d_.R, Im = d_.Im;
+  Buf logits = act(T * E);
+  ws_.top(T, E, D);
+  Buf ids = i32(MemCategory::Activations, T * d_.k), weights = act(T * d_.k),
+      scores = act(T * E);
+  logits.reset();
+  Buf f = d_.aux ? act(d_.B * E) : Buf();
+  Buf state, extra, rows, row_weights;
+  if (d_.ep == 1) {
+    state = i32(MemCategory::Routing, E + 1 + 2 * d_.slots);
+    rows = act(d_.slots * D);
+    row_weights = act(d_.slots);
+  } else {
+    extra = i32(MemCategory::Routing, 2 + 2 * d_.ep + d_.slots);
+    Buf arrived = f32(MemCategory::Scratch, R), fake_ids = i32(MemCategory::Scratch, R);
+    state = i32(MemCategory::Routing, d_.E_loc + 1 + 2 * R);
+    Buf rows1 = act(R);
+    row_weights = act(R);
+    fake_ids.reset();
+    arrived.reset();
+    rows = act(R * D);
+    rows1.reset();
+  }
+  Buf g = act(R * Im), u = act(R * Im);
+  experts_nt(D, Im);
+  Buf keys;
+  if (d_.dropout && L.any_expert_adapter()) {
+    Buf token_keys = i32(MemCategory::Routing, T);
+    Buf moved = d_.ep > 1 ? act(R) : Buf();
+    keys = i32(MemCategory::Routing, R);
+  }
+  if (L.er_gate) grouped_forward_add(D, Im, L.er_gate);
+  if (L.er_up) grouped_forward_add(D, Im, L.er_up);
+  // Kept only for trainable experts under EP; adapters alone re-fetch them in backward.
+  const bool keep_rows = d_.experts_trainable && d_.ep > 1;
+  if (!keep_rows) rows.reset();
+  Buf h = act(R * Im);
+  Buf o = act(R * D);
+  experts_nt(Im, D);
+  if (L.er_down) grouped_forward_add(Im, D, L.er_down);
+  h.reset();
+  Buf y = act(T * D);
+  if (d_.ep > 1) Buf back = act(d_.slots * D);
+  o.reset();
+  if (L.gate.out > 0) Buf ys = swiglu_forward(L, s.shared);
+  s.ids = ids;
+  s.weights = weights;
+  s.scores = scores;
+  s.f = f;
+  s.rows = rows;
+  s.g = g;
+  s.u = u;
+  s.row_weights = row_weights;
+  s.state = state;
+  s.extra = extra;
+  s.keys = keys;
+  return y;
+}
+
+Buf ReplayParts::moe_backward(const LayerShape& L, MoeSaved& s) {
+  const int64_t T = d_.T, D = d_.D, E = d_.E, R = d_.R, Im = d_.Im;
+  Buf dx_shared = L.gate.out > 0 ? swiglu_backward(L, s.shared) : Buf();
+  Buf d_out = act(R * D);
+  Buf d_h = act(R * Im);
+  experts_nn(Im, D);
+  Buf g_down = L.er_down ? grouped_grad_input(Im, D, L.er_down) : Buf();
+  Buf d_row_w = act(R);
+  { Buf h_rows = f32(MemCategory::Scratch, static_cast<int64_t>(d_.threads) * Im); }
+  if (d_.experts_trainable) experts_weight_grad(Im, D);
+  if (L.er_down) grouped_grad_weights(Im, D, L.er_down);
+  d_out.reset();
+  d_h.reset();
+  Buf rows;
+  if (d_.experts_trainable || L.er_gate || L.er_up) rows = s.rows ? std::move(s.rows) : act(R * D);
+  if (d_.experts_trainable) {
+    experts_weight_grad(D, Im);
+    experts_weight_grad(D, Im);
+  }
+  s.rows.reset();
+  if (!L.er_gate && !L.er_up) rows.reset();
+  Buf d_rows = act(R * D);
+  experts_nn(D, Im);
+  for (int64_t r : {L.er_gate, L.er_up}) {
+    if (!r) continue;
+    Buf g = grouped_grad_input(D, Im, r);
+    grouped_grad_weights(D, Im, r);
+  }
+  rows.reset();
+  s.g.reset();
+  s.u.reset();
+  Buf d_weights;
+  if (d_.ep > 1) {
+    Buf back = act(d_.slots);
+    d_weights = act(T * d_.k);
+  } else {
+    d_weights = act(T * d_.k);
+  }
+  Buf dx = act(T * D);
+  if (d_.ep > 1) Buf back = act(d_.slots * D);
+  s.state.reset();
+  s.extra.reset();
+  d_rows.reset();
+  Buf d_logits = act(T * E);
+  if (d_.base_grads) ws_.top(E, D, T);
+  ws_.top(T, D, E);
+  s = {};
+  return dx;
+}
+
+// ---------------------------------------------------------- LM head (lm_head_loss.cpp)
+
+Buf ReplayParts::lm_head_loss() {
+  const int64_t T = d_.T, D = d_.D;
+  Buf dh = act(T * D);
+  const int64_t rows = std::min(LMHeadLoss::chunk_rows(d_.V), T);
+  Buf chunk = f32(MemCategory::Scratch, rows * d_.V);
+  ws_.top(rows, d_.V, D);
+  ws_.top(rows, D, d_.V);
+  if (d_.base_grads) ws_.top(d_.V, D, rows);
+  return dh;
+}
+
+namespace {
 
 // ---------------------------------------------------------------- the replayed step
 // One training micro-batch of DeepSeekModel (model/model.cpp), allocation by allocation in the
 // engine's order. Buffers are released where the engine's tensors are (scopes, resets, moves),
 // so the ledger's peaks are the tracker's.
 
-struct NormSaved {
-  Buf x, rstd;
-};
-struct SwigluSaved {
-  Buf g, u;
-};
 struct AttnSaved {
   Buf positions, q, k_pe, stats, o_input, ckv, ckv_rstd, qa, qa_rstd, q_b_input;
-};
-struct MoeSaved {
-  Buf ids, weights, scores, f, rows, g, u, row_weights, state, extra, keys;
-  SwigluSaved shared;
 };
 struct LayerSaved {
   NormSaved in, post;
@@ -58,10 +281,10 @@ struct LayerSaved {
   MoeSaved moe;
 };
 
-class StepReplay {
+class StepReplay : public ReplayParts {
  public:
   StepReplay(const Dims& d, const std::vector<LayerShape>& layers, Ledger& ledger, Workspace& ws)
-      : d_(d), layers_(layers), ledger_(ledger), ws_(ws) {}
+      : ReplayParts(d, ledger, ws), layers_(layers) {}
 
   // Activations saved for backward once the forward is done (before the LM head).
   int64_t saved_after_forward = 0;
@@ -86,14 +309,7 @@ class StepReplay {
     x.reset();
     saved_after_forward = ledger_.current(MemCategory::Activations) - 4 * T * D;  // less h
     phase("LM head + loss (chunked logits)");
-    Buf dh = act(T * D);
-    {
-      const int64_t rows = std::min(LMHeadLoss::chunk_rows(d_.V), T);
-      Buf chunk = f32(MemCategory::Scratch, rows * d_.V);
-      ws_.top(rows, d_.V, D);
-      ws_.top(rows, D, d_.V);
-      if (d_.base_grads) ws_.top(d_.V, D, rows);
-    }
+    Buf dh = lm_head_loss();
     h.reset();
     phase("final norm backward");
     Buf dx;
@@ -110,87 +326,8 @@ class StepReplay {
   }
 
  private:
-  void phase(const std::string& p) { ledger_.set_phase(p); }
   void phase_layer(size_t l, const char* what) {
     ledger_.set_phase(fmt::format("layer {} ({}) {}", l, layers_[l].moe ? "MoE" : "dense", what));
-  }
-  Buf make(MemCategory c, int64_t bytes) { return std::make_shared<Chunk>(ledger_, c, bytes); }
-  Buf f32(MemCategory c, int64_t n) { return make(c, 4 * n); }
-  Buf i32(MemCategory c, int64_t n) { return make(c, 4 * n); }
-  Buf act(int64_t n) { return f32(MemCategory::Activations, n); }
-
-  // ---------------------------------------------------------- Linear + LoRA (layers.cpp)
-
-  // Linear::needs_input: a trained weight or an adapter reads the input in backward.
-  bool keeps_input(const Lin& l) const { return d_.base_grads || l.r > 0; }
-
-  Buf lora_project(const Lin& l) {
-    Buf xd = d_.dropout ? act(d_.T * l.in) : Buf();
-    Buf xs = act(d_.T * l.r);
-    ws_.top(d_.T, l.r, l.in);
-    return xs;
-  }
-  Buf linear_forward(const Lin& l) {
-    Buf y = act(d_.T * l.out);
-    ws_.top(d_.T, l.out, l.in);
-    if (l.r) {
-      Buf xs = lora_project(l);
-      ws_.top(d_.T, l.out, l.r);
-    }
-    return y;
-  }
-  // Linear::backward (a new dx) or backward_accumulate (into the caller's dx).
-  Buf linear_backward(const Lin& l, bool new_dx = true) {
-    const int64_t T = d_.T;
-    Buf dx = new_dx ? act(T * l.in) : Buf();
-    ws_.top(T, l.in, l.out);
-    if (l.r) {
-      Buf g = act(T * l.r);
-      ws_.top(T, l.r, l.out);
-      {
-        Buf d_xd = d_.dropout ? act(T * l.in) : Buf();
-        ws_.top(T, l.in, l.r);
-      }
-      {
-        Buf xs = lora_project(l);
-        ws_.top(l.out, l.r, T);
-      }
-      {
-        Buf xd = d_.dropout ? act(T * l.in) : Buf();
-        ws_.top(l.r, l.in, T);
-      }
-    }
-    if (d_.base_grads) ws_.top(l.out, l.in, T);
-    return dx;
-  }
-
-  Buf norm_forward(const Buf& x, int64_t dim, NormSaved& s) {
-    Buf y = act(d_.T * dim);
-    s.rstd = act(d_.T);
-    s.x = x;
-    return y;
-  }
-
-  // ---------------------------------------------------------- SwiGLU (dense MLP, shared experts)
-
-  Buf swiglu_forward(const LayerShape& L, SwigluSaved& s) {
-    Buf g = linear_forward(L.gate);
-    Buf u = linear_forward(L.up);
-    Buf h = act(d_.T * L.gate.out);
-    s.g = g;
-    s.u = u;
-    return linear_forward(L.down);
-  }
-  Buf swiglu_backward(const LayerShape& L, SwigluSaved& s) {
-    Buf dh;
-    {
-      Buf h = keeps_input(L.down) ? act(d_.T * L.gate.out) : Buf();
-      dh = linear_backward(L.down);
-    }
-    Buf dx = linear_backward(L.gate);
-    linear_backward(L.up, /*new_dx=*/false);
-    s = {};
-    return dx;
   }
 
   // ---------------------------------------------------------- attention (attention.cpp)
@@ -324,155 +461,6 @@ class StepReplay {
     return dx;
   }
 
-  // ---------------------------------------------------------- routed experts (moe_layer.cpp)
-
-  void grouped_forward_add(int64_t in, int64_t out, int64_t r) {
-    Buf xd = d_.dropout ? act(d_.R * in) : Buf();
-    Buf xs = act(d_.R * r);
-    ws_.serial(64, r, in);
-    ws_.serial(64, out, r);
-  }
-  Buf grouped_grad_input(int64_t in, int64_t out, int64_t r) {
-    Buf g = act(d_.R * r);
-    Buf d_xd = d_.dropout ? act(d_.R * in) : Buf();
-    ws_.serial(64, r, out);
-    ws_.serial(64, in, r);
-    return g;
-  }
-  void grouped_grad_weights(int64_t in, int64_t out, int64_t r) {
-    Buf xd = d_.dropout ? act(d_.R * in) : Buf();
-    Buf xs = act(d_.R * r);
-    ws_.serial(64, r, in);
-    const int64_t n = d_.max_rows_per_expert();
-    ws_.serial(std::min<int64_t>(1024, out), r, n);
-    ws_.serial(r, std::min<int64_t>(1024, in), n);
-  }
-  // Base expert matmuls: x [rows, in] · W[out, in]ᵀ (nt) or dy [rows, out] · W (nn).
-  void experts_nt(int64_t in, int64_t out) {
-    const int64_t m = std::min<int64_t>(512, d_.max_rows_per_expert());
-    if (d_.mxfp4) return ws_.mxfp4_nt(m);
-    ws_.serial(m, std::min<int64_t>(4096, out), in);
-  }
-  void experts_nn(int64_t in, int64_t out) {
-    const int64_t m = std::min<int64_t>(512, d_.max_rows_per_expert());
-    if (d_.mxfp4) return ws_.mxfp4_nn(m);
-    ws_.serial(m, std::min<int64_t>(4096, in), out);
-  }
-  void experts_weight_grad(int64_t in, int64_t out) {
-    ws_.serial(std::min<int64_t>(4096, out), std::min<int64_t>(4096, in),
-               d_.max_rows_per_expert());
-  }
-
-  Buf moe_forward(const LayerShape& L, MoeSaved& s) {
-    const int64_t T = d_.T, D = d_.D, E = d_.E, R = d_.R, Im = d_.Im;
-    Buf logits = act(T * E);
-    ws_.top(T, E, D);
-    Buf ids = i32(MemCategory::Activations, T * d_.k), weights = act(T * d_.k),
-        scores = act(T * E);
-    logits.reset();
-    Buf f = d_.aux ? act(d_.B * E) : Buf();
-    Buf state, extra, rows, row_weights;
-    if (d_.ep == 1) {
-      state = i32(MemCategory::Routing, E + 1 + 2 * d_.slots);
-      rows = act(d_.slots * D);
-      row_weights = act(d_.slots);
-    } else {
-      extra = i32(MemCategory::Routing, 2 + 2 * d_.ep + d_.slots);
-      Buf arrived = f32(MemCategory::Scratch, R), fake_ids = i32(MemCategory::Scratch, R);
-      state = i32(MemCategory::Routing, d_.E_loc + 1 + 2 * R);
-      Buf rows1 = act(R);
-      row_weights = act(R);
-      fake_ids.reset();
-      arrived.reset();
-      rows = act(R * D);
-      rows1.reset();
-    }
-    Buf g = act(R * Im), u = act(R * Im);
-    experts_nt(D, Im);
-    Buf keys;
-    if (d_.dropout && L.any_expert_adapter()) {
-      Buf token_keys = i32(MemCategory::Routing, T);
-      Buf moved = d_.ep > 1 ? act(R) : Buf();
-      keys = i32(MemCategory::Routing, R);
-    }
-    if (L.er_gate) grouped_forward_add(D, Im, L.er_gate);
-    if (L.er_up) grouped_forward_add(D, Im, L.er_up);
-    // Kept only for trainable experts under EP; adapters alone re-fetch them in backward.
-    const bool keep_rows = d_.experts_trainable && d_.ep > 1;
-    if (!keep_rows) rows.reset();
-    Buf h = act(R * Im);
-    Buf o = act(R * D);
-    experts_nt(Im, D);
-    if (L.er_down) grouped_forward_add(Im, D, L.er_down);
-    h.reset();
-    Buf y = act(T * D);
-    if (d_.ep > 1) Buf back = act(d_.slots * D);
-    o.reset();
-    if (L.gate.out > 0) Buf ys = swiglu_forward(L, s.shared);
-    s.ids = ids;
-    s.weights = weights;
-    s.scores = scores;
-    s.f = f;
-    s.rows = rows;
-    s.g = g;
-    s.u = u;
-    s.row_weights = row_weights;
-    s.state = state;
-    s.extra = extra;
-    s.keys = keys;
-    return y;
-  }
-
-  Buf moe_backward(const LayerShape& L, MoeSaved& s) {
-    const int64_t T = d_.T, D = d_.D, E = d_.E, R = d_.R, Im = d_.Im;
-    Buf dx_shared = L.gate.out > 0 ? swiglu_backward(L, s.shared) : Buf();
-    Buf d_out = act(R * D);
-    Buf d_h = act(R * Im);
-    experts_nn(Im, D);
-    Buf g_down = L.er_down ? grouped_grad_input(Im, D, L.er_down) : Buf();
-    Buf d_row_w = act(R);
-    { Buf h_rows = f32(MemCategory::Scratch, static_cast<int64_t>(d_.threads) * Im); }
-    if (d_.experts_trainable) experts_weight_grad(Im, D);
-    if (L.er_down) grouped_grad_weights(Im, D, L.er_down);
-    d_out.reset();
-    d_h.reset();
-    Buf rows;
-    if (d_.experts_trainable || L.er_gate || L.er_up) rows = s.rows ? std::move(s.rows) : act(R * D);
-    if (d_.experts_trainable) {
-      experts_weight_grad(D, Im);
-      experts_weight_grad(D, Im);
-    }
-    s.rows.reset();
-    if (!L.er_gate && !L.er_up) rows.reset();
-    Buf d_rows = act(R * D);
-    experts_nn(D, Im);
-    for (int64_t r : {L.er_gate, L.er_up}) {
-      if (!r) continue;
-      Buf g = grouped_grad_input(D, Im, r);
-      grouped_grad_weights(D, Im, r);
-    }
-    rows.reset();
-    s.g.reset();
-    s.u.reset();
-    Buf d_weights;
-    if (d_.ep > 1) {
-      Buf back = act(d_.slots);
-      d_weights = act(T * d_.k);
-    } else {
-      d_weights = act(T * d_.k);
-    }
-    Buf dx = act(T * D);
-    if (d_.ep > 1) Buf back = act(d_.slots * D);
-    s.state.reset();
-    s.extra.reset();
-    d_rows.reset();
-    Buf d_logits = act(T * E);
-    if (d_.base_grads) ws_.top(E, D, T);
-    ws_.top(T, D, E);
-    s = {};
-    return dx;
-  }
-
   // ---------------------------------------------------------- blocks (model.cpp)
 
   Buf block_forward(size_t l, const Buf& x, LayerSaved& s) {
@@ -515,10 +503,7 @@ class StepReplay {
     return dx;
   }
 
-  const Dims& d_;
   const std::vector<LayerShape>& layers_;
-  Ledger& ledger_;
-  Workspace& ws_;
 };
 
 }  // namespace
@@ -557,6 +542,15 @@ void Workspace::serial(int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0 || K <= 0 || !fma_) return;
   any0_ = std::max(any0_, packed_b(K, N));
   any1_ = std::max(any1_, a_panels());
+}
+
+// gemm.cpp's run_any: nt products of up to kSkinnyRows = 4 rows stream W without packing.
+void Workspace::top_nt(int64_t M, int64_t N, int64_t K) {
+  if (M > 4) top(M, N, K);
+}
+
+void Workspace::serial_nt(int64_t M, int64_t N, int64_t K) {
+  if (M > 4) serial(M, N, K);
 }
 
 void Workspace::mxfp4_nt(int64_t m) {

@@ -1,8 +1,8 @@
 #pragma once
 // The replay behind `moe plan` (train/memory_plan.h): one training micro-batch of
-// DeepSeekModel, allocation by allocation in the engine's order, against a ledger that keeps
-// MemoryTracker's per-category current and peak bytes, plus the kernels' workspace bound. The
-// shapes below are what the replay needs of a model and a run.
+// DeepSeekModel or DeepSeekV4Model, allocation by allocation in the engine's order, against a
+// ledger that keeps MemoryTracker's per-category current and peak bytes, plus the kernels'
+// workspace bound. The shapes below are what the replay needs of a model and a run.
 #include <array>
 #include <cstdint>
 #include <string>
@@ -51,6 +51,10 @@ class Workspace {
   void top(int64_t M, int64_t N, int64_t K);
   // A gemm_*_serial inside a parallel loop: any thread.
   void serial(int64_t M, int64_t N, int64_t K);
+  // The same for an nt product (x·Wᵀ), whose calls of up to 4 rows pack nothing (gemm.cpp's
+  // skinny path).
+  void top_nt(int64_t M, int64_t N, int64_t K);
+  void serial_nt(int64_t M, int64_t N, int64_t K);
   // mxfp4_gemm_nt / _nn over m rows (inside parallel loops).
   void mxfp4_nt(int64_t m);
   void mxfp4_nn(int64_t m);
@@ -113,5 +117,30 @@ struct ReplayResult {
 // Replays one micro-batch's forward and backward into `ledger` and `ws`.
 ReplayResult replay_training_step(const Dims& d, const std::vector<LayerShape>& layers,
                                   Ledger& ledger, Workspace& ws);
+
+// ---------------------------------------------------------------- DeepSeek-V4
+
+// What DeepSeek-V4 adds to Dims (model/v4/*.h): the mHC streams, the attention's, compressors'
+// and indexer's widths, and the MTP layer.
+struct V4Dims {
+  int64_t n = 0;                // hc_mult: residual streams per token
+  int64_t sinkhorn_iters = 0;   // hc_sinkhorn_iters
+  int64_t H = 0, hd = 0, rope = 0, q_lora = 0, o_groups = 0, o_lora = 0, window = 0;
+  int64_t index_heads = 0, index_dim = 0, index_topk = 0;
+  bool mtp = false;  // the last layer shape is the MTP block
+  int64_t mixes() const { return (2 + n) * n; }
+};
+
+struct V4LayerShape {
+  int64_t ratio = 0;  // 0: sliding window only; 4: CSA (compressor + indexer); else HCA
+  Lin wq_a, wq_b, wkv, wo_b;
+  LayerShape ffn;  // the MoE: shared experts (gate, up, down) and routed experts' adapters
+};
+
+// The same for DeepSeekV4Model: `layers` are the main blocks, then the MTP block if v.mtp.
+// The RoPE tables, which the first step grows, are charged to MemCategory::Weights here.
+ReplayResult replay_v4_training_step(const Dims& d, const V4Dims& v,
+                                     const std::vector<V4LayerShape>& layers, Ledger& ledger,
+                                     Workspace& ws);
 
 }  // namespace moe::memory_replay

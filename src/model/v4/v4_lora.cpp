@@ -63,36 +63,79 @@ std::string map_tail(std::string_view tail, bool to_hf) {
   return {};
 }
 
-// The Hugging Face module names of one block that exist in deepseek_v4 but are never adapted
+// The Hugging Face module names of layer `layer` that exist in deepseek_v4 but are never adapted
 // (see v4_lora.h), for telling a user why a target matched nothing.
-std::vector<std::string> unadapted_modules(const V4Block& b, const std::string& prefix) {
+std::vector<std::string> unadapted_modules(const ModelConfig& cfg, int64_t layer) {
+  const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+  const int64_t ratio = cfg.compress_ratio(layer);
   std::vector<std::string> out = {prefix + "self_attn.o_a_proj"};
-  if (b.compressor)
+  if (ratio > 0)
     for (const char* m : {"kv_proj", "gate_proj"}) out.push_back(prefix + "self_attn.compressor." + m);
-  if (b.indexer)
+  if (ratio == 4)
     for (const char* m : {"kv_proj", "gate_proj", "q_b_proj", "scorer.weights_proj"})
       out.push_back(prefix + "self_attn.compressor.indexer." + m);
   return out;
 }
 
-void adapt_linear(Linear& linear, LoraTargetMatcher& match, const LoraSettings& s,
-                  const LoraRuntime* rt, uint64_t seed, ParamList& out) {
+// The adapter of a linear that select_v4_lora chose.
+void adapt_linear(Linear& linear, bool selected, const LoraSettings& s, const LoraRuntime* rt,
+                  uint64_t seed, ParamList& out) {
+  if (!selected) return;
   const std::string module = v4_hf_module_of(linear.module_name());
   MOE_CHECK(!module.empty(), "internal: {} has no Hugging Face deepseek_v4 module name",
             linear.weight.name);
-  if (!match.matches(module)) return;
   linear.lora = std::make_unique<LoraAdapter>();
   linear.lora->init(module, linear.in, linear.out, s.shape_for(false), rt);
   linear.lora->init_weights(seed);
   linear.lora->collect(out);
 }
 
-// The routed experts of one layer: per projection all experts or none (one grouped adapter), by
-// their per-expert module names or the fused parameters; gate and up only together.
-void adapt_experts(MoELayer& m, const std::string& mlp_prefix, int64_t num_experts,
-                   LoraTargetMatcher& match, const LoraSettings& s, const LoraRuntime* rt,
-                   uint64_t seed, ParamList& out, const std::string& section) {
-  std::array<bool, 3> selected{};
+// The routed experts' grouped adapters (one per selected projection) of one layer.
+void adapt_experts(MoELayer& m, const std::string& mlp_prefix, const std::array<bool, 3>& selected,
+                   const LoraSettings& s, const LoraRuntime* rt, uint64_t seed, ParamList& out) {
+  ExpertWeights& x = m.experts();
+  MoELayer::ExpertLora& lora = m.expert_lora();
+  for (int part = 0; part < 3; ++part) {
+    if (!selected[static_cast<size_t>(part)]) continue;
+    const bool down = part == 2;
+    auto a = std::make_unique<GroupedLoraAdapter>();
+    a->init(mlp_prefix, std::string(kExpertProjections[static_cast<size_t>(part)].hf),
+            x.experts(), down ? x.hidden() : x.dim(), down ? x.dim() : x.hidden(),
+            s.shape_for(true), rt);
+    a->init_weights(seed);
+    a->collect(out);
+    (part == 0 ? lora.gate : part == 1 ? lora.up : lora.down) = std::move(a);
+  }
+}
+
+}  // namespace
+
+V4LayerLora select_v4_lora(const ModelConfig& cfg, int64_t layer, LoraTargetMatcher& match,
+                           const std::string& section) {
+  const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+  const std::string o_a = prefix + "self_attn.o_a_proj";
+  MOE_CHECK(!match.names(o_a),
+            "{}: the targets name {} (released attn.wo_a), which LoRA cannot adapt: it is a "
+            "grouped linear ({} groups, each [{}, {}]) applied to its own slice of the heads, "
+            "so a PEFT lora.Linear beside it would not even produce the base output's shape "
+            "(SPEC §8.5); leave it out (e.g. targets q_a_proj, q_b_proj, kv_proj, o_b_proj)",
+            section, o_a, cfg.o_groups, cfg.o_lora_rank,
+            cfg.num_attention_heads * cfg.head_dim / cfg.o_groups);
+  V4LayerLora sel;
+  sel.wq_a = match.matches(prefix + "self_attn.q_a_proj");
+  sel.wq_b = match.matches(prefix + "self_attn.q_b_proj");
+  sel.wkv = match.matches(prefix + "self_attn.kv_proj");
+  sel.wo_b = match.matches(prefix + "self_attn.o_b_proj");
+  if (cfg.n_shared_experts > 0)
+    for (int part = 0; part < 3; ++part)
+      sel.shared[static_cast<size_t>(part)] = match.matches(
+          prefix + "mlp.shared_experts." +
+          std::string(kExpertProjections[static_cast<size_t>(part)].hf));
+  // Routed experts: per projection all experts or none (one grouped adapter), by their
+  // per-expert module names or the fused parameters; gate and up only together.
+  const std::string mlp_prefix = prefix + "mlp.";
+  const int64_t num_experts = cfg.n_routed_experts;
+  std::array<bool, 3>& selected = sel.experts;
   for (int part = 0; part < 3; ++part) {
     const std::string proj(kExpertProjections[static_cast<size_t>(part)].hf);
     int64_t hits = 0;
@@ -112,26 +155,11 @@ void adapt_experts(MoELayer& m, const std::string& mlp_prefix, int64_t num_exper
             "PEFT adapts as a whole: select both (e.g. targets gate_proj and up_proj) or neither",
             section, selected[0] ? "gate_proj" : "up_proj", selected[0] ? "up_proj" : "gate_proj",
             mlp_prefix);
-  ExpertWeights& x = m.experts();
-  MoELayer::ExpertLora& lora = m.expert_lora();
-  for (int part = 0; part < 3; ++part) {
-    if (!selected[static_cast<size_t>(part)]) continue;
-    const bool down = part == 2;
-    auto a = std::make_unique<GroupedLoraAdapter>();
-    a->init(mlp_prefix, std::string(kExpertProjections[static_cast<size_t>(part)].hf),
-            x.experts(), down ? x.hidden() : x.dim(), down ? x.dim() : x.hidden(),
-            s.shape_for(true), rt);
-    a->init_weights(seed);
-    a->collect(out);
-    (part == 0 ? lora.gate : part == 1 ? lora.up : lora.down) = std::move(a);
-  }
+  return sel;
 }
 
-// A target left unused: when it reaches only modules the engine never adapts, say which and why;
-// otherwise the generic message with deepseek_v4's module names.
-void check_all_targets_used(const LoraTargetMatcher& match,
-                            const std::vector<std::unique_ptr<V4Block>>& blocks,
-                            const std::string& section) {
+void check_v4_lora_targets_used(const ModelConfig& cfg, const LoraTargetMatcher& match,
+                                const std::string& section) {
   const std::optional<LoraTargetMatcher::Unused> unused = match.first_unused();
   if (!unused) return;
   if (unused->field != "target_parameters") {
@@ -140,9 +168,8 @@ void check_all_targets_used(const LoraTargetMatcher& match,
     if (unused->field == "targets") probe.targets = {unused->entry};
     else probe.target_regex = unused->entry;
     LoraTargetMatcher one(probe);
-    for (size_t l = 0; l < blocks.size(); ++l)
-      for (const std::string& module :
-           unadapted_modules(*blocks[l], "model.layers." + std::to_string(l) + "."))
+    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+      for (const std::string& module : unadapted_modules(cfg, l))
         if (one.names(module))
           fail("{}.{}: \"{}\" reaches only modules moe does not adapt, such as {}: "
                "self_attn.o_a_proj is a grouped linear that a PEFT lora.Linear cannot adapt "
@@ -152,8 +179,6 @@ void check_all_targets_used(const LoraTargetMatcher& match,
   }
   match.check_all_used(section, kV4ModuleHint);
 }
-
-}  // namespace
 
 std::string v4_weight_of_hf_module(std::string_view module) {
   const auto split = split_layer(module, "model.layers.");
@@ -181,24 +206,20 @@ const ParamList& DeepSeekV4Model::add_lora(const LoraSettings& s, uint64_t seed,
   try {
     for (size_t l = 0; l < blocks_.size(); ++l) {
       V4Block& b = *blocks_[l];
-      const std::string prefix = "model.layers." + std::to_string(l) + ".";
-      const std::string o_a = prefix + "self_attn.o_a_proj";
-      MOE_CHECK(!match.names(o_a),
-                "{}: the targets name {} (released attn.wo_a), which LoRA cannot adapt: it is a "
-                "grouped linear ({} groups, each [{}, {}]) applied to its own slice of the heads, "
-                "so a PEFT lora.Linear beside it would not even produce the base output's shape "
-                "(SPEC §8.5); leave it out (e.g. targets q_a_proj, q_b_proj, kv_proj, o_b_proj)",
-                section, o_a, b.attn.dims.o_groups, b.attn.dims.o_lora_rank,
-                b.attn.dims.heads * b.attn.dims.head_dim / b.attn.dims.o_groups);
-      for (Linear* lin : {&b.attn.wq_a, &b.attn.wq_b, &b.attn.wkv, &b.attn.wo_b})
-        adapt_linear(*lin, match, s, rt, seed, out);
-      if (SwiGLU* shared = b.ffn.shared_experts())
-        for (Linear* lin : {&shared->gate, &shared->up, &shared->down})
-          adapt_linear(*lin, match, s, rt, seed, out);
-      adapt_experts(b.ffn, prefix + "mlp.", cfg_.n_routed_experts, match, s, rt, seed, out,
-                    section);
+      const V4LayerLora sel = select_v4_lora(cfg_, static_cast<int64_t>(l), match, section);
+      adapt_linear(b.attn.wq_a, sel.wq_a, s, rt, seed, out);
+      adapt_linear(b.attn.wq_b, sel.wq_b, s, rt, seed, out);
+      adapt_linear(b.attn.wkv, sel.wkv, s, rt, seed, out);
+      adapt_linear(b.attn.wo_b, sel.wo_b, s, rt, seed, out);
+      if (SwiGLU* shared = b.ffn.shared_experts()) {
+        adapt_linear(shared->gate, sel.shared[0], s, rt, seed, out);
+        adapt_linear(shared->up, sel.shared[1], s, rt, seed, out);
+        adapt_linear(shared->down, sel.shared[2], s, rt, seed, out);
+      }
+      adapt_experts(b.ffn, "model.layers." + std::to_string(l) + ".mlp.", sel.experts, s, rt,
+                    seed, out);
     }
-    check_all_targets_used(match, blocks_, section);
+    check_v4_lora_targets_used(cfg_, match, section);
   } catch (...) {
     drop_lora();  // a refused target leaves the model as it was
     throw;

@@ -29,10 +29,30 @@
 //   * the MTP layer (mtp.0.*): Hugging Face drops it at load, so PEFT has no names for it; its
 //     base weights stay frozen and its loss still reaches the main layers' adapters.
 // A target that reaches only modules of these kinds is an error saying so.
+#include <array>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
 namespace moe {
+
+struct ModelConfig;
+class LoraTargetMatcher;
+
+// Which modules of main layer `layer` the targets adapt, by the rules above (the errors
+// included: a named o_a_proj, part of the routed experts, gate without up). add_lora builds its
+// adapters from this, and `moe plan` sizes them from it (train/memory_plan.cpp).
+struct V4LayerLora {
+  bool wq_a = false, wq_b = false, wkv = false, wo_b = false;
+  std::array<bool, 3> shared{};   // the shared experts' gate, up, down (w1, w3, w2)
+  std::array<bool, 3> experts{};  // the routed experts' grouped adapters: gate, up, down
+};
+V4LayerLora select_v4_lora(const ModelConfig& cfg, int64_t layer, LoraTargetMatcher& match,
+                           const std::string& section);
+// After every layer's selection: a target that matched nothing is an error, saying why when it
+// reaches only modules that are never adapted.
+void check_v4_lora_targets_used(const ModelConfig& cfg, const LoraTargetMatcher& match,
+                                const std::string& section);
 
 // The released checkpoint key of the weight a Hugging Face deepseek_v4 module name stands for,
 // for the modules LoRA adapts ("model.layers.3.self_attn.q_a_proj" -> "layers.3.attn.wq_a.weight",
