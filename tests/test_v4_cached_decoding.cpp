@@ -1,6 +1,7 @@
 // Cached inference over DeepSeek-V4 (model/v4/v4_cache.h, DeepSeekV4Model::forward_cached)
 // against full recomputes, for every layer kind (sliding window only, CSA with its indexer, HCA),
-// hash and top-k routing, fp32 and MXFP4 experts: the same logits bit for bit at every step and
+// hash and top-k routing, fp32 and MXFP4 experts, DeepSeek's simulated FP8 / FP4 (the
+// quantization_simulation option): the same logits bit for bit at every step and
 // for every chunking, batching that never changes a sequence's bits, zero rows, nothing left
 // behind, the cache's size, caches of the other family refused, and the generation engine.
 #include <algorithm>
@@ -59,6 +60,12 @@ const Variant kVariants[] = {
        c.num_hash_layers = 2;
        c.compress_ratios = {8, 4, 0, 4};
        c.num_nextn_predict_layers = 0;
+     }},
+    // DeepSeek's reference forward's simulated precision: FP8 window rows and entries (head_dim
+    // 80: one block of 64 non-RoPE features), Hadamard + FP4 indexer queries and keys.
+    {"quantization simulation", [](ModelConfig& c) {
+       c.head_dim = 80;
+       c.quantization_simulation = "reference";
      }},
 };
 
@@ -175,25 +182,28 @@ TEST(V4CachedDecoding, LogitsEqualAFullRecomputeAtEveryStep) {
 }
 
 TEST(V4CachedDecoding, PromptChunksOfAnySizeEqualOneChunk) {
-  const ModelConfig cfg = config_of(kVariants[0]);
-  DeepSeekV4Model model(cfg);
-  model.init_weights(5);
-  const std::vector<int32_t> seq = random_ids(60, cfg.vocab_size, 23);
-  V4KvCache a(cfg, 1, 64), b(cfg, 1, 64), c(cfg, 1, 64);
-  // 45 prompt tokens: one chunk; odd pieces that end inside and across windows, blocks and the
-  // sliding window; one token at a time. Then 15 decode steps each.
-  const std::vector<float> one = cached_run(model, a, 0, seq, {45});
-  const std::vector<float> odd = cached_run(model, b, 0, seq, {1, 6, 13, 2, 23});
-  const std::vector<int64_t> singles(45, 1);
-  const std::vector<float> single = cached_run(model, c, 0, seq, singles);
-  ASSERT_EQ(one.size(), odd.size());
-  ASSERT_EQ(one.size(), single.size());
-  EXPECT_TRUE(same_bits(one.data(), odd.data(), static_cast<int64_t>(one.size())));
-  EXPECT_TRUE(same_bits(one.data(), single.data(), static_cast<int64_t>(one.size())));
+  for (const Variant& v : {kVariants[0], kVariants[4]}) {
+    SCOPED_TRACE(v.name);
+    const ModelConfig cfg = config_of(v);
+    DeepSeekV4Model model(cfg);
+    model.init_weights(5);
+    const std::vector<int32_t> seq = random_ids(60, cfg.vocab_size, 23);
+    V4KvCache a(cfg, 1, 64), b(cfg, 1, 64), c(cfg, 1, 64);
+    // 45 prompt tokens: one chunk; odd pieces that end inside and across windows, blocks and the
+    // sliding window; one token at a time. Then 15 decode steps each.
+    const std::vector<float> one = cached_run(model, a, 0, seq, {45});
+    const std::vector<float> odd = cached_run(model, b, 0, seq, {1, 6, 13, 2, 23});
+    const std::vector<int64_t> singles(45, 1);
+    const std::vector<float> single = cached_run(model, c, 0, seq, singles);
+    ASSERT_EQ(one.size(), odd.size());
+    ASSERT_EQ(one.size(), single.size());
+    EXPECT_TRUE(same_bits(one.data(), odd.data(), static_cast<int64_t>(one.size())));
+    EXPECT_TRUE(same_bits(one.data(), single.data(), static_cast<int64_t>(one.size())));
+  }
 }
 
 TEST(V4CachedDecoding, BatchedSequencesOfDifferentLengthsEqualEachAlone) {
-  for (const Variant& v : {kVariants[2], kVariants[3]}) {
+  for (const Variant& v : {kVariants[2], kVariants[3], kVariants[4]}) {
     SCOPED_TRACE(v.name);
     const ModelConfig cfg = config_of(v);
     DeepSeekV4Model model(cfg);

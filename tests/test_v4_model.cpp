@@ -21,6 +21,7 @@
 #include "model/model.h"
 #include "model/v4/v4_model.h"
 #include "train/adamw.h"
+#include "train/train_config.h"
 #include "test_util.h"
 
 using namespace moe;
@@ -186,6 +187,70 @@ std::vector<float> train_bits(const ModelConfig& cfg, int threads) {
 TEST(V4ModelFixtures, Mtp) { expect_fixture("mtp"); }
 TEST(V4ModelFixtures, HashCsa) { expect_fixture("hash_csa"); }
 
+// quantization_simulation "reference": DeepSeek's reference forward's FP8 KV and entries and its
+// Hadamard + FP4 indexer, with the straight-through KV gradient (fixture qsim; every quantized
+// value of it is > 2e-6 of its block's amax from a rounding or scale decision, 4.8x the largest
+// displacement float32 rounding causes in torch's own float32 run: fixture.json "margins").
+TEST(V4ModelFixtures, QuantizationSimulation) {
+  EXPECT_EQ(read_hf_config(kFixtures / "qsim").quantization_simulation, "reference");
+  expect_fixture("qsim");
+}
+
+namespace {
+
+// Logits, loss and every gradient of one training step on a fixture's batch.
+std::vector<float> fixture_step_bits(const ModelConfig& cfg, const std::string& name) {
+  const std::filesystem::path dir = kFixtures / name;
+  const json fx = read_json(dir / "fixture.json");
+  DeepSeekV4Model model(cfg);
+  load_weights(dir, model.params());
+  model.allocate_grads();
+  SafetensorsReader ex(dir / "expected.safetensors");
+  const BatchShape shape{fx["batch"].get<int64_t>(), fx["seq"].get<int64_t>()};
+  const Tensor tokens = ex.read("tokens", DType::I32, MemCategory::Scratch).view({shape.tokens()});
+  const Tensor targets = ex.read("targets", DType::I32, MemCategory::Scratch).view({shape.tokens()});
+  LossOptions opts;
+  opts.mtp_loss_scale = fx["mtp_loss_scale"].get<double>();
+  const LossResult r = model.forward(tokens, targets, shape, Pass::Train, opts);
+  model.backward();
+  std::vector<float> bits = {static_cast<float>(r.total())};
+  for (Param* p : model.trainable_params()) bits.insert(bits.end(), p->g(), p->g() + p->grad.numel());
+  const Tensor logits = model.logits(tokens, shape);
+  bits.insert(bits.end(), logits.f32(), logits.f32() + logits.numel());
+  return bits;
+}
+
+}  // namespace
+
+// The option off is the engine as it was: a config that says "none" computes the fixtures'
+// runs (whose config.json has no such field) bit for bit.
+TEST(V4ModelFixtures, SimulationNoneIsTheDefaultBitForBit) {
+  for (const char* name : {"mtp", "hash_csa"}) {
+    const ModelConfig plain = read_hf_config(kFixtures / name);
+    EXPECT_EQ(plain.quantization_simulation, "none") << name;
+    json j = read_json(kFixtures / name / "config.json");
+    j["quantization_simulation"] = "none";
+    const ModelConfig none = parse_hf_config(j, "none");
+    const std::vector<float> a = fixture_step_bits(plain, name), b = fixture_step_bits(none, name);
+    ASSERT_EQ(a.size(), b.size()) << name;
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << name;
+  }
+}
+
+// The qsim fixture tells the two apart: without the simulation its logits are far off.
+TEST(V4ModelFixtures, TheSimulationFixtureFailsWithoutTheSimulation) {
+  ModelConfig cfg = read_hf_config(kFixtures / "qsim");
+  cfg.quantization_simulation = "none";
+  DeepSeekV4Model model(cfg);
+  load_weights(kFixtures / "qsim", model.params());
+  SafetensorsReader ex(kFixtures / "qsim" / "expected.safetensors");
+  const Tensor tokens = ex.read("tokens", DType::I32, MemCategory::Scratch);
+  const Tensor logits = model.logits(tokens.view({tokens.numel()}), BatchShape{1, tokens.numel()});
+  const double err = rel(logits.f32(), ex.read("logits", DType::F32, MemCategory::Scratch));
+  std::printf("qsim fixture without the simulation: logits off by %.2e\n", err);
+  EXPECT_GT(err, 1e-3);
+}
+
 // ---------------------------------------------------------------- structure
 
 TEST(V4Model, ParamsHaveTheReleasedNamesInCheckpointOrder) {
@@ -256,6 +321,14 @@ TEST(V4Model, TrainingStepsAreBitwiseTheSameOnEverySimdTarget) {
   ModelConfig cfg = small_config();
   expect_same_bits_on_every_target([&] { return train_bits(cfg, 2); });
   cfg.expert_format = "mxfp4";
+  expect_same_bits_on_every_target([&] { return train_bits(cfg, 2); });
+}
+
+TEST(V4Model, TheSimulationIsBitwiseTheSameForAnyThreadCountAndSimdTarget) {
+  const ModelConfig cfg = read_hf_config(kFixtures / "qsim");  // quantization_simulation on
+  const auto one = train_bits(cfg, 1), two = train_bits(cfg, 2);
+  ASSERT_EQ(one.size(), two.size());
+  EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)), 0);
   expect_same_bits_on_every_target([&] { return train_bits(cfg, 2); });
 }
 
@@ -500,6 +573,19 @@ TEST(V4Config, ErrorsNameTheFieldAndTheExpectedValue) {
       {[](json& j) { j["swiglu_limit"] = -1.0; }, "field 'swiglu_limit' must be a finite number >= 0"},
       {[](json& j) { j["model_type"] = "deepseek_v5"; },
        "field 'model_type' must be \"deepseek_v3\", \"deepseek_v2\" or \"deepseek_v4\""},
+      {[](json& j) { j["quantization_simulation"] = "fp8"; },
+       "field 'quantization_simulation' must be \"none\" or \"reference\", got \"fp8\""},
+      {[](json& j) { j["quantization_simulation"] = true; },
+       "field 'quantization_simulation' must be a string, got boolean true"},
+      {[](json& j) { j["quantization_simulation"] = "reference"; },
+       "quantization_simulation \"reference\" quantizes the non-RoPE features of the KV in "
+       "blocks of 64, so head_dim - qk_rope_head_dim must be a multiple of 64, got 32 - 16 = 16"},
+      {[](json& j) {
+         j["quantization_simulation"] = "reference";
+         j["head_dim"] = 80;
+         j["index_head_dim"] = 48;
+       },
+       "index_head_dim must be a power of two >= 32, got 48"},
   };
   for (const Case& c : cases) {
     json j = v4_json();
@@ -517,6 +603,41 @@ TEST(V4Config, ErrorsNameTheFieldAndTheExpectedValue) {
   j = v4_json();
   j["num_nextn_predict_layers"] = 0;
   EXPECT_EQ(parse_hf_config(j, "cfg.json").compress_ratios.size(), 4u);
+}
+
+TEST(V4Config, QuantizationSimulationIsWrittenOnlyWhenOn) {
+  // Absent at "none", so a config.json stays what transformers writes.
+  const json plain = model_config_to_json(read_hf_config(kFixtures / "mtp"));
+  EXPECT_FALSE(plain.contains("quantization_simulation"));
+  const ModelConfig on = read_hf_config(kFixtures / "qsim");
+  EXPECT_TRUE(on.simulates_reference_quantization());
+  const json j = model_config_to_json(on);
+  EXPECT_EQ(j["quantization_simulation"], "reference");
+  EXPECT_EQ(parse_hf_config(j, "round trip").quantization_simulation, "reference");
+  // A V2/V3 config has nothing of V4's to simulate.
+  json v3 = model_config_to_json(resolve_model_config("debug"));
+  v3["quantization_simulation"] = "reference";
+  const std::string err = error_of([&] { parse_hf_config(v3, "v3.json"); });
+  EXPECT_NE(err.find("v3.json: field 'quantization_simulation' must be \"none\" for deepseek_v3"),
+            std::string::npos) << err;
+}
+
+// [model] quantization_simulation in a training TOML and --model.quantization_simulation on
+// the command line reach the model like the config.json fields, though the preset's
+// config.json lacks the field.
+TEST(V4Config, QuantizationSimulationIsATrainingOverride) {
+  const std::string toml = "[model]\npreset = \"deepseek-v4-flash\"\n";
+  TrainConfig t = parse_train_config(toml + "quantization_simulation = \"reference\"\n", "t.toml");
+  EXPECT_EQ(resolve_train_model(t, 1024, 1).quantization_simulation, "reference");
+  t = parse_train_config(toml, "t.toml", {{"model.quantization_simulation", "reference"}});
+  EXPECT_EQ(resolve_train_model(t, 1024, 1).quantization_simulation, "reference");
+  EXPECT_EQ(parse_train_config(train_config_to_toml(t), "saved").model.overrides, t.model.overrides);
+  t = parse_train_config(toml, "t.toml");
+  EXPECT_EQ(resolve_train_model(t, 1024, 1).quantization_simulation, "none");
+  t = parse_train_config(toml, "t.toml", {{"model.quantization_simulation", "fp4"}});
+  const std::string err = error_of([&] { resolve_train_model(t, 1024, 1); });
+  EXPECT_NE(err.find("field 'quantization_simulation' must be \"none\" or \"reference\", got "
+                     "\"fp4\""), std::string::npos) << err;
 }
 
 TEST(V4Config, TheV3ModelRefusesAV4Config) {

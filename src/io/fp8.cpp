@@ -1,7 +1,6 @@
 #include "io/fp8.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -15,53 +14,12 @@ namespace moe {
 
 namespace {
 
-std::array<float, 256> make_e4m3_table() {
-  std::array<float, 256> t{};
-  for (int b = 0; b < 256; ++b) {
-    const int exp = (b >> 3) & 0xF, mant = b & 7;
-    float v;
-    if ((b & 0x7F) == 0x7F)
-      v = std::numeric_limits<float>::quiet_NaN();
-    else if (exp == 0)
-      v = std::ldexp(static_cast<float>(mant), -9);  // subnormal: m/8 · 2^-6
-    else
-      v = std::ldexp(1.0f + static_cast<float>(mant) / 8.0f, exp - 7);
-    t[static_cast<size_t>(b)] = (b & 0x80) ? -v : v;
-  }
-  return t;
-}
-
-const std::array<float, 256> kE4M3 = make_e4m3_table();
-
 // Bytes of on-disk FP8 rows buffered at once (at least one row).
 constexpr int64_t kFp8ChunkBytes = int64_t{1} << 20;
 
 bool is_packed_dtype(const std::string& dtype) { return dtype == "I8" || dtype == "U8"; }
 
 }  // namespace
-
-float fp8_e4m3_value(uint8_t byte) { return kE4M3[byte]; }
-
-uint8_t fp8_e4m3_encode(float v) {
-  const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
-  if (std::isnan(v)) return static_cast<uint8_t>(sign | 0x7F);
-  const float a = std::fabs(v);
-  if (a >= 448.0f) return static_cast<uint8_t>(sign | 0x7E);  // saturate (Inf included)
-  if (a < 0x1p-6f) {
-    // Subnormal range: a = q · 2^-9 with q in [0, 8); q = 8 is the smallest normal (code 8).
-    const float q = std::nearbyint(a * 512.0f);  // exact scaling, round half to even
-    return static_cast<uint8_t>(sign | static_cast<uint8_t>(q));
-  }
-  int e = 0;
-  const float m = std::frexp(a, &e);      // a = m · 2^e, m in [0.5, 1)
-  const int exp = e - 1;                   // a = (2m) · 2^exp, 2m in [1, 2)
-  const float frac = (2.0f * m - 1.0f) * 8.0f;  // exact
-  int q = static_cast<int>(std::nearbyint(frac));
-  int biased = exp + 7;
-  if (q == 8) q = 0, ++biased;
-  // a < 448 keeps this at most 0x7E (rounding up to 480 would need a > 464).
-  return static_cast<uint8_t>(sign | (biased << 3) | q);
-}
 
 std::string fp8_scale_inv_name(std::string_view weight_name) {
   return std::string(weight_name) + "_scale_inv";
@@ -247,10 +205,11 @@ void WeightRows::row(int64_t r, float* out) {
   }
   const uint8_t* bytes = chunk_.u8() + (r - chunk_begin_) * cols_;
   const float* scale_row = scales_.f32() + (r / block_.rows) * tiles_c;
+  const float* e4m3 = fp8_e4m3_values();
   for (int64_t t = 0; t < tiles_c; ++t) {
     const float s = scale_row[t];
     const int64_t end = std::min(cols_, (t + 1) * block_.cols);
-    for (int64_t j = t * block_.cols; j < end; ++j) out[j] = kE4M3[bytes[j]] * s;
+    for (int64_t j = t * block_.cols; j < end; ++j) out[j] = e4m3[bytes[j]] * s;
   }
 }
 

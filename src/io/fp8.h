@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "core/tensor.h"
+#include "kernels/fp8_e4m3.h"
 
 namespace moe {
 
@@ -22,14 +23,7 @@ class SafetensorsReader;
 class SafetensorsSet;
 struct SafetensorsEntry;
 
-// OCP E4M3 "FN" (torch.float8_e4m3fn, safetensors F8_E4M3): sign, 4 exponent bits (bias 7), 3
-// mantissa bits; no infinities; 0x7F and 0xFF are NaN; the largest finite value is ±448;
-// exponent 0 holds the subnormals m · 2^-9.
-float fp8_e4m3_value(uint8_t byte);
-// The nearest E4M3 byte, ties to the even code; |v| >= 448 (infinities included) saturates to
-// ±448; NaN gives 0x7F (0xFF with the sign bit set). fp8_e4m3_encode(fp8_e4m3_value(b)) == b for
-// every non-NaN byte except -0 -> 0x80 (kept).
-uint8_t fp8_e4m3_encode(float v);
+// fp8_e4m3_value / fp8_e4m3_encode: kernels/fp8_e4m3.h.
 
 // The E8M0 byte (2^(byte-127)) of the block scale s used to write a tile whose largest
 // magnitude is `amax` as F8_E4M3 (DeepSeek-V4's "ue8m0" scales): the smallest power of two with

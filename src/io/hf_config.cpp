@@ -158,6 +158,8 @@ void parse_common_tail(const json& j, const Fields& f, const std::string& source
     f.bad_value("hidden_act", "\"silu\"", json(act));
   for (const char* key : {"attention_bias", "mlp_bias"})
     if (f.bool_or(key, false)) f.bad_value(key, "false", json(true));
+  // Not a transformers field: the engine's own switch (model/config.h), checked by validate().
+  c.quantization_simulation = f.string_or("quantization_simulation", "none");
 }
 
 void parse_rope(const Fields& f, const std::string& source, ModelConfig& c) {
@@ -467,6 +469,8 @@ json v4_config_to_json(const ModelConfig& c) {
   j["bos_token_id"] = c.bos_token_id;
   j["eos_token_id"] = c.eos_token_id;
   j["use_cache"] = true;
+  // Absent at its default, so a config.json stays what transformers writes.
+  if (c.quantization_simulation != "none") j["quantization_simulation"] = c.quantization_simulation;
   return j;
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/quant_sim.h"
 
 namespace moe {
 
@@ -36,7 +37,13 @@ void ModelConfig::validate(const std::string& source) const {
   MOE_CHECK(model_type == "deepseek_v3" || model_type == "deepseek_v2" || model_type == "deepseek_v4",
             "{}: field 'model_type' must be \"deepseek_v3\", \"deepseek_v2\" or \"deepseek_v4\", "
             "got \"{}\"", source, model_type);
+  MOE_CHECK(quantization_simulation == "none" || quantization_simulation == "reference",
+            "{}: field 'quantization_simulation' must be \"none\" or \"reference\", got \"{}\"",
+            source, quantization_simulation);
   if (is_v4()) return validate_v4(source);
+  MOE_CHECK(quantization_simulation == "none", "{}: field 'quantization_simulation' must be "
+            "\"none\" for {} (DeepSeek-V4's simulated FP8 / FP4 applies to deepseek_v4 only), got "
+            "\"{}\"", source, model_type, quantization_simulation);
   positive(vocab_size, "vocab_size");
   positive(hidden_size, "hidden_size");
   positive(num_hidden_layers, "num_hidden_layers");
@@ -156,6 +163,19 @@ void ModelConfig::validate_v4(const std::string& source) const {
     MOE_CHECK(index_head_dim >= qk_rope_head_dim && index_head_dim > 0,
               "{}: field 'index_head_dim' must be positive and at least qk_rope_head_dim={}, got "
               "{}", source, qk_rope_head_dim, index_head_dim);
+  }
+  if (simulates_reference_quantization()) {
+    // The reference's kernels quantize whole blocks and rotate power-of-two widths only.
+    MOE_CHECK((head_dim - qk_rope_head_dim) % kSimFp8Block == 0,
+              "{}: quantization_simulation \"reference\" quantizes the non-RoPE features of the "
+              "KV in blocks of {}, so head_dim - qk_rope_head_dim must be a multiple of {}, got "
+              "{} - {} = {}", source, kSimFp8Block, kSimFp8Block, head_dim, qk_rope_head_dim,
+              head_dim - qk_rope_head_dim);
+    if (csa)
+      MOE_CHECK(index_head_dim % kSimFp4Block == 0 && (index_head_dim & (index_head_dim - 1)) == 0,
+                "{}: quantization_simulation \"reference\" Hadamard-rotates the indexer's heads "
+                "and quantizes them in blocks of {}, so index_head_dim must be a power of two "
+                ">= {}, got {}", source, kSimFp4Block, kSimFp4Block, index_head_dim);
   }
   MOE_CHECK(hc_eps >= 0 && std::isfinite(hc_eps), "{}: field 'hc_eps' must be a finite number >= 0, "
             "got {}", source, hc_eps);

@@ -81,8 +81,20 @@ struct ModelConfig {
   int64_t hc_mult = 0;                   // hyper-connection streams
   int64_t hc_sinkhorn_iters = 0;
   double hc_eps = 0.0;
+  // DeepSeek-V4's simulated low precision (kernels/quant_sim.h), config.json
+  // "quantization_simulation", written only when not "none":
+  //   "none" (default)  none, as Hugging Face transformers and NeMo Automodel compute V4;
+  //   "reference"       what DeepSeek's reference inference forward (and its quantization-aware
+  //                     training) does: the attention's shared KV and the main compressor's
+  //                     entries FP8-E4M3 quantize-dequantized on their non-RoPE features (blocks
+  //                     of 64, power-of-two scales), the lightning indexer's queries and keys
+  //                     Hadamard-rotated and FP4-E2M1 quantize-dequantized (blocks of 32).
+  //                     The backward passes the KV's quantization as identity (straight-through);
+  //                     the indexer has no gradient.
+  std::string quantization_simulation = "none";
 
   bool is_v4() const { return model_type == "deepseek_v4"; }
+  bool simulates_reference_quantization() const { return quantization_simulation == "reference"; }
   // V4: the compress ratio of layer `layer` (num_hidden_layers + d is MTP depth d).
   int64_t compress_ratio(int64_t layer) const {
     return compress_ratios.at(static_cast<size_t>(layer));

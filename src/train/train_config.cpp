@@ -309,14 +309,18 @@ ModelConfig resolve_train_model(const TrainConfig& cfg, int64_t vocab_size, int6
   static const std::set<std::string> unused = {"architectures", "hidden_act", "attention_bias",
                                                "attention_dropout", "num_key_value_heads",
                                                "use_cache", "torch_dtype"};
+  // The engine's own fields, which config.json holds only away from their defaults.
+  static const std::set<std::string> absent_at_default = {"quantization_simulation"};
   for (const auto& [key, value] : cfg.model.overrides.items()) {
     MOE_CHECK(!owned.count(key), "model.{}: set by the tokenizer, cannot be overridden", key);
     MOE_CHECK(!unused.count(key),
               "model.{}: not used by this engine (checkpoints are written in float32)", key);
-    if (!j.contains(key)) {
+    if (!j.contains(key) && !absent_at_default.count(key)) {
       std::string fields;
       for (const auto& [f, v] : j.items())
-        if (!owned.count(f) && !unused.count(f)) fields += (fields.empty() ? "" : ", ") + f;
+        if (!owned.count(f) && !unused.count(f) && !absent_at_default.count(f))
+          fields += (fields.empty() ? "" : ", ") + f;
+      for (const std::string& f : absent_at_default) fields += ", " + f;
       fail("model.{}: unknown model config field (fields: preset, weights, experts, {})", key,
            fields);
     }

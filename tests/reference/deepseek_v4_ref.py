@@ -25,10 +25,19 @@ Hugging Face transformers `models/deepseek_v4/modeling_deepseek_v4.py` (HF), NeM
     sink logit is one more softmax column with a zero value; scale head_dim^-0.5.
   * CSA ⇔ ratio == 4 (overlapping windows, coff 2, indexer), as in REF; any other ratio > 0 is
     HCA (coff 1, no indexer).
-  * Indexer: no Hadamard rotation and no FP4 quant-dequant of q / k (REF only; the orthonormal
-    rotation cancels in q·k, the FP4 simulation only perturbs numerics; HF and AM omit both), and
-    no FP8 simulation of the KV anywhere. Picks per query: the top min(index_topk, #visible)
-    visible entries, stored in ascending id order, padded with −1 to K = min(index_topk, #entries).
+  * Simulated low precision (config quantization_simulation, SPEC §6.5 / §6.6): "none" (the
+    default, as HF and AM) quantizes nothing. "reference" does what REF's forward does (REF
+    kernel.py act_quant / fp4_act_quant with inplace=True, model.py rotate_activation): the
+    attention's KV and the main compressor's entries, after their RoPE, FP8-E4M3 quantize-
+    dequantized on their non-rope features in blocks of 64; the indexer's q (per head, after
+    RoPE) and its compressor's entries Hadamard-rotated (orthonormal, Sylvester order) then
+    FP4-E2M1 quantize-dequantized in blocks of 32. Per block s = 2^ceil(log2(amax / max)) with
+    amax = max(max|x|, floor) (FP8: max 448, floor 1e-4; FP4: max 6, floor 6·2^-126), values
+    rounded to the format's grid (nearest, ties to even) within ±max, times s. The KV's
+    gradient passes the quantization as identity (straight-through); the indexer has none.
+    (REF rounds its bf16 activations; here the dtype's own values are rounded.)
+  * Indexer: picks per query: the top min(index_topk, #visible) visible entries, stored in
+    ascending id order, padded with −1 to K = min(index_topk, #entries).
   * Router: s = sqrt(max(softplus(W·x), 1e-12)) (the floor is AM's: it keeps the backward of
     sqrt finite where softplus underflows; clamp_min passes no gradient to floored entries);
     non-hash layers select top-k of s + bias (bias for selection only, ties to the lower id),
@@ -67,7 +76,7 @@ class V4Config:
         rope_scaling=dict(type="yarn", factor=16, original_max_position_embeddings=65536,
                           beta_fast=32, beta_slow=1),
         max_position_embeddings=1048576, rms_norm_eps=1e-6, num_nextn_predict_layers=1,
-        tie_word_embeddings=False, compress_ratios=None,
+        tie_word_embeddings=False, compress_ratios=None, quantization_simulation="none",
     )
 
     def __init__(self, **kw):
@@ -85,6 +94,8 @@ class V4Config:
             raise ValueError("n_shared_experts must be 0 or 1")
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             raise ValueError("o_groups must divide num_attention_heads * head_dim")
+        if self.quantization_simulation not in ("none", "reference"):
+            raise ValueError("quantization_simulation must be 'none' or 'reference'")
 
     @classmethod
     def from_dict(cls, d):
@@ -167,6 +178,104 @@ def apply_rope(x, cos, sin, inverse=False):
 
 
 # --------------------------------------------------------------------------------------------------
+# Simulated low precision (quantization_simulation = "reference"; module docstring)
+# --------------------------------------------------------------------------------------------------
+class GridFormat:
+    """A small float format by its grid: |value| <= max, steps of 2^(max(floor(log2|v|), emin) −
+    mbits) (emin: the smallest normal exponent; below it the subnormal step)."""
+
+    def __init__(self, name, max_value, emin, mbits, block, amax_floor):
+        self.name, self.max, self.emin, self.mbits = name, max_value, emin, mbits
+        self.block, self.amax_floor = block, amax_floor
+
+    def step(self, a):
+        """Grid step of magnitudes a >= 0 (at a power of two: the step above it)."""
+        e = torch.where(a > 0, torch.frexp(a)[1].to(a.dtype) - 1, torch.full_like(a, self.emin))
+        return torch.pow(2.0, torch.clamp(e, min=self.emin) - self.mbits)   # e: floor(log2 a)
+
+    def round(self, v):
+        """Nearest grid value of v (|v| <= max), ties to the even multiple of the step."""
+        st = self.step(v.abs())
+        return torch.round(v / st) * st
+
+    def boundary_distance(self, v, q):
+        """|v − the nearest rounding midpoint| around q = round(v): midpoints with q's grid
+        neighbours (none above max, none below 0, where ±0 decode alike)."""
+        a, qa = v.abs(), q.abs()
+        up = torch.where(qa < self.max, qa + self.step(qa) / 2, torch.full_like(qa, math.inf))
+        # the neighbour below q: a step of the binade below when q is a power of two above emin
+        st_below = torch.where((torch.frexp(qa)[0] == 0.5) & (qa > 2.0 ** self.emin),
+                               self.step(qa) / 2, self.step(qa))
+        down = torch.where(qa > 0, qa - st_below / 2, torch.full_like(qa, -math.inf))
+        return torch.minimum(up - a, a - down)
+
+
+FP8_E4M3 = GridFormat("fp8_e4m3", 448.0, -6, 3, 64, 1e-4)
+FP4_E2M1 = GridFormat("fp4_e2m1", 6.0, 0, 1, 32, 6 * 2.0 ** -126)
+
+
+def hadamard_matrix(n, dtype=torch.float64):
+    """Sylvester's H_n (H_1 = [1], H_2m = [[H, H], [H, −H]]), n a power of two, unnormalised."""
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    if h.shape[0] != n:
+        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
+    return h
+
+
+class QuantSim:
+    """The "reference" simulation, recording every decision it takes: `margin` is the smallest
+    distance of a quantized value to a rounding midpoint, or of a block's amax to a scale
+    threshold max·2^k, relative to its block's amax (the scale of a float implementation's
+    rounding errors in that block), over the whole forward; `codes` lists per call the rounded
+    grid values x / s and the scales, to compare the decisions of two dtypes."""
+
+    def __init__(self, replay=None):
+        self.margin = math.inf
+        self.codes = []
+        self.inputs = []      # per call (x blocks, block amax) before quantization
+        self.offsets = []     # per call the quantization error q(x) − x
+        self.replay = replay  # offsets of an earlier forward: then x ↦ x + offset (a smooth
+                              # stand-in whose derivative is the straight-through gradient)
+
+    def quant_dequant(self, x, fmt):
+        """Block quantize-dequantize of x's last dim (a multiple of fmt.block); no gradient."""
+        x = x.detach()
+        if self.replay is not None:
+            off = self.replay[len(self.offsets)]
+            self.offsets.append(off)
+            return x + off
+        xb = x.unflatten(-1, (-1, fmt.block))
+        amax = xb.abs().amax(-1, keepdim=True).clamp_min(fmt.amax_floor)
+        m, e = torch.frexp(amax / fmt.max)
+        s = torch.pow(2.0, torch.where(m == 0.5, e - 1, e).to(x.dtype))   # 2^ceil(log2(amax/max))
+        v = (xb / s).clamp(-fmt.max, fmt.max)
+        q = fmt.round(v)
+        self.codes.append((fmt.name, q, s))
+        self.inputs.append((xb, amax))
+        rounding = (fmt.boundary_distance(v, q) * s).amin(-1, keepdim=True)
+        scale = torch.minimum(amax - fmt.max * s / 2, fmt.max * s - amax)
+        self.margin = min(self.margin, float((torch.minimum(rounding, scale) / amax).min()))
+        out = (q * s).flatten(-2)
+        self.offsets.append(out - x)
+        return out
+
+    def fp8_nope(self, x, rope_dim):
+        """The attention KV / main compressor entries: FP8 on the first d − rope_dim features;
+        the gradient passes as identity (straight-through)."""
+        nope = x[..., :x.shape[-1] - rope_dim]
+        sim = self.quant_dequant(nope, FP8_E4M3) + (nope - nope.detach())
+        return torch.cat((sim, x[..., x.shape[-1] - rope_dim:]), dim=-1)
+
+    def hadamard_fp4(self, x):
+        """The indexer's q and keys: orthonormal Hadamard rotation, then FP4 (no gradient)."""
+        n = x.shape[-1]
+        rotated = x @ hadamard_matrix(n, x.dtype) * n ** -0.5       # H is symmetric
+        return self.quant_dequant(rotated, FP4_E2M1)
+
+
+# --------------------------------------------------------------------------------------------------
 # Manifold-constrained hyper-connections (SPEC §6.4)
 # --------------------------------------------------------------------------------------------------
 def sinkhorn_split(mixes, scale, base, n, iters, eps_hc):
@@ -209,10 +318,11 @@ def hc_head(X, fn, base, scale, eps_rms, eps_hc):
 # --------------------------------------------------------------------------------------------------
 # Compressor (SPEC §6.6)
 # --------------------------------------------------------------------------------------------------
-def compressor(x, p, ratio, head_dim, inv_freq, eps):
+def compressor(x, p, ratio, head_dim, inv_freq, eps, simulate=None):
     """x [B, S, D]; p: wkv.weight, wgate.weight [coff·d_c, D], ape [ratio, coff·d_c],
     norm.weight [d_c]. Returns the entries [B, S // ratio, d_c] (complete windows only), RMS-
-    normalised and rotated (last rope dims) at position w·ratio."""
+    normalised and rotated (last rope dims) at position w·ratio, then simulate(entries) if given
+    (QuantSim.fp8_nope / hadamard_fp4)."""
     B, S, _ = x.shape
     d = head_dim
     overlap = ratio == 4
@@ -231,7 +341,8 @@ def compressor(x, p, ratio, head_dim, inv_freq, eps):
     pooled = (torch.softmax(sc, dim=2) * kv).sum(dim=2)                # softmax per feature
     e = rms_norm(pooled, p["norm.weight"], eps)
     cos, sin = rope_cos_sin(torch.arange(n) * ratio, inv_freq, x.dtype)
-    return apply_rope(e, cos, sin)
+    e = apply_rope(e, cos, sin)
+    return e if simulate is None else simulate(e)
 
 
 def visible_entries(S, n_entries, ratio):
@@ -243,14 +354,17 @@ def visible_entries(S, n_entries, ratio):
 # --------------------------------------------------------------------------------------------------
 # Lightning indexer (SPEC §6.6)
 # --------------------------------------------------------------------------------------------------
-def indexer_scores(x, qr, p, ratio, n_heads, head_dim, inv_freq, eps):
+def indexer_scores(x, qr, p, ratio, n_heads, head_dim, inv_freq, eps, simulate=None):
     """x [B,S,D], qr [B,S,q_lora] -> (I [B,S,N] (unmasked), qI [B,S,Hi,dI], kI [B,N,dI]).
-    p: wq_b.weight [Hi·dI, q_lora], weights_proj.weight [Hi, D], compressor.* (d_c = dI)."""
+    p: wq_b.weight [Hi·dI, q_lora], weights_proj.weight [Hi, D], compressor.* (d_c = dI).
+    simulate (QuantSim.hadamard_fp4): applied to q per head after its RoPE and to the keys."""
     B, S, _ = x.shape
-    kI = compressor(x, sub(p, "compressor."), ratio, head_dim, inv_freq, eps)
+    kI = compressor(x, sub(p, "compressor."), ratio, head_dim, inv_freq, eps, simulate)
     q = (qr @ p["wq_b.weight"].t()).unflatten(-1, (n_heads, head_dim))
     cos, sin = rope_cos_sin(torch.arange(S), inv_freq, x.dtype)
     q = apply_rope(q, cos[:, None], sin[:, None])
+    if simulate is not None:
+        q = simulate(q)
     w = (x @ p["weights_proj.weight"].t()) * (head_dim ** -0.5 * n_heads ** -0.5)
     s = torch.einsum("bshd,bnd->bshn", q, kI).relu()
     return (s * w.unsqueeze(-1)).sum(2), q, kI
@@ -283,13 +397,14 @@ def indexer_picks(scores, ratio, topk):
 # Attention (SPEC §6.5)
 # --------------------------------------------------------------------------------------------------
 def attention(x, p, *, n_heads, head_dim, rope_dim, o_groups, o_lora_rank, eps, window, ratio,
-              inv_freq, entries=None, picks=None, aux=None):
+              inv_freq, entries=None, picks=None, aux=None, simulate_kv=None):
     """x [B,S,D] (after attn_norm) -> y [B,S,D].
     p: wq_a.weight [q_lora, D], q_norm.weight, wq_b.weight [H·d, q_lora], wkv.weight [d, D],
     kv_norm.weight [d], wo_a.weight [g·r, H·d/g], wo_b.weight [D, g·r], attn_sink [H].
     entries [B,N,d]: compressed KV (ratio > 0), already normalised and rotated; picks [B,S,K]
     (CSA, −1 = unused): the entries each query attends; None with entries = all visible (HCA).
-    aux (dict, optional) receives qr, q, kv, probs, sink_prob, o."""
+    aux (dict, optional) receives qr, q, kv, probs, sink_prob, o. simulate_kv
+    (QuantSim.fp8_nope): applied to kv after its RoPE (the entries come simulated already)."""
     B, S, _ = x.shape
     H, d, g = n_heads, head_dim, o_groups
     assert 2 * inv_freq.shape[0] == rope_dim
@@ -299,6 +414,8 @@ def attention(x, p, *, n_heads, head_dim, rope_dim, o_groups, o_lora_rank, eps, 
     cos, sin = rope_cos_sin(torch.arange(S), inv_freq, x.dtype)
     q = apply_rope(q, cos[:, None], sin[:, None])
     kv = apply_rope(kv, cos, sin)
+    if simulate_kv is not None:
+        kv = simulate_kv(kv)
 
     t = torch.arange(S)
     local = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)  # [S(query), S(key)]
@@ -415,6 +532,7 @@ class Trace:
         self.route_margin = math.inf
         self.index_margin = math.inf
         self.clamp_margin = math.inf
+        self.qsim = QuantSim()  # quantization_simulation "reference": its decisions and margin
 
 
 def attention_layer(x, p, cfg, ratio, trace=None, name=None):
@@ -422,10 +540,15 @@ def attention_layer(x, p, cfg, ratio, trace=None, name=None):
     kw = dict(n_heads=cfg.num_attention_heads, head_dim=cfg.head_dim, rope_dim=cfg.qk_rope_head_dim,
               o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, eps=cfg.rms_norm_eps,
               window=cfg.sliding_window, ratio=ratio, inv_freq=cfg.inv_freq(ratio))
+    fp8_nope, hadamard_fp4 = None, None
+    if cfg.quantization_simulation == "reference":
+        sim = trace.qsim if trace is not None else QuantSim()
+        fp8_nope = lambda v: sim.fp8_nope(v, cfg.qk_rope_head_dim)  # noqa: E731
+        hadamard_fp4 = sim.hadamard_fp4
     entries, picks = None, None
     if ratio > 0:
         entries = compressor(x, sub(p, "compressor."), ratio, cfg.head_dim, kw["inv_freq"],
-                             cfg.rms_norm_eps)
+                             cfg.rms_norm_eps, fp8_nope)
         if ratio == 4:
             with torch.no_grad():  # integer picks: no gradient reaches the indexer
                 xd = x.detach()
@@ -433,12 +556,13 @@ def attention_layer(x, p, cfg, ratio, trace=None, name=None):
                               cfg.rms_norm_eps)
                 pi = {k: v.detach() for k, v in sub(p, "indexer.").items()}
                 scores, _, _ = indexer_scores(xd, qr, pi, ratio, cfg.index_n_heads,
-                                              cfg.index_head_dim, kw["inv_freq"], cfg.rms_norm_eps)
+                                              cfg.index_head_dim, kw["inv_freq"], cfg.rms_norm_eps,
+                                              hadamard_fp4)
                 picks, margin = indexer_picks(scores, ratio, cfg.index_topk)
             if trace is not None:
                 trace.picks[name] = picks
                 trace.index_margin = min(trace.index_margin, float(margin.min()))
-    return attention(x, p, entries=entries, picks=picks, **kw)
+    return attention(x, p, entries=entries, picks=picks, simulate_kv=fp8_nope, **kw)
 
 
 def block(X, p, cfg, layer, input_ids, trace=None, name=None):

@@ -36,6 +36,14 @@ F64 = torch.float64
 MIN_ROUTE_GAP = 1e-4      # k-th vs (k+1)-th selection score (sqrtsoftplus + bias)
 MIN_INDEX_GAP = 2e-5      # last kept vs first dropped visible indexer score (scores are O(0.1-1))
 MIN_CLAMP_GAP = 1e-4      # |pre-clamp value - limit| in every clamped SwiGLU
+# quantization_simulation "reference": every quantized value's distance to a rounding midpoint,
+# and every block amax's to a scale threshold, relative to the block's amax, must exceed both
+# MIN_QUANT_GAP and QUANT_NOISE_FACTOR x the largest displacement of any quantized value in
+# torch's float32 replay (~5e-7 of amax at worst, ~4e-8 typically; recorded in fixture.json),
+# which must quantize every value alike. The simulation must also change at least one indexer
+# pick, so that the fixture checks the FP4 indexer and not only the FP8 KV.
+MIN_QUANT_GAP = 2e-6
+QUANT_NOISE_FACTOR = 4.0
 MAX_ATTEMPTS = 500
 MTP_LOSS_SCALE = 0.1      # Automodel MTPConfig.loss_scaling_factor / depths (1)
 
@@ -75,7 +83,8 @@ def hf_v4_config(**fields):
         eos_token_id=1, torch_dtype="float32",
     )
     for k, v in fields.items():
-        if k not in cfg:
+        # quantization_simulation: the engine's own field, absent from config.json at "none"
+        if k not in cfg and k != "quantization_simulation":
             raise KeyError(f"unknown config field {k}")
         cfg[k] = v
     n = cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]
@@ -106,6 +115,19 @@ CASES = {
             index_n_heads=3, index_head_dim=16, index_topk=16, sliding_window=5,
             num_nextn_predict_layers=0, compress_ratios=[4, 16, 0], swiglu_limit=10.0),
         batch=2, seq=48, ignore=[(0, 5), (1, 47)], seed=200),
+    # quantization_simulation "reference" (DeepSeek's reference forward's FP8 KV and Hadamard +
+    # FP4 indexer): CSA then HCA (ratio 8), head_dim 80 with rope 16 (one FP8 block of 64
+    # non-rope features), 8 index heads of 32 (one FP4 block, a 32-point Hadamard) keeping 2 of
+    # up to 8 visible entries. Small (B 1, S 32, ~13k quantized values) because every quantized
+    # value must clear MIN_QUANT_GAP.
+    "qsim": dict(
+        config=hf_v4_config(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=80,
+            qk_rope_head_dim=16, q_lora_rank=16, o_lora_rank=8, o_groups=2, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, num_hash_layers=0, index_n_heads=8,
+            index_head_dim=32, index_topk=2, sliding_window=6, num_nextn_predict_layers=0,
+            compress_ratios=[4, 8], swiglu_limit=10.0, quantization_simulation="reference"),
+        batch=1, seq=32, ignore=[(0, 3)], seed=600),
 }
 
 
@@ -198,13 +220,13 @@ def case_state(name):
         with torch.no_grad():
             _, tr = run_model(cfg, state, tokens, targets, F64, grads=False)
         if (tr.route_margin > MIN_ROUTE_GAP and tr.index_margin > MIN_INDEX_GAP
-                and tr.clamp_margin > MIN_CLAMP_GAP):
+                and tr.clamp_margin > MIN_CLAMP_GAP and tr.qsim.margin > MIN_QUANT_GAP):
             # the float32 replay must take every discrete decision the same way
             with torch.no_grad():
                 _, t32 = run_model(cfg, state, tokens, targets, torch.float32, grads=False)
-            if same_decisions(tr, t32):
+            if same_decisions(tr, t32) and simulation_is_checkable(cfg, state, tokens, targets, tr, t32):
                 return cfg, state, tokens, targets, seed, tr
-    raise RuntimeError(f"{name}: no seed with clear routing / index / clamp margins")
+    raise RuntimeError(f"{name}: no seed with clear routing / index / clamp / quantization margins")
 
 
 def same_decisions(a, b):
@@ -214,7 +236,30 @@ def same_decisions(a, b):
     for k in a.picks:
         if not torch.equal(a.picks[k], b.picks[k]):
             return False
+    if len(a.qsim.codes) != len(b.qsim.codes):
+        return False
+    for (fa, qa, sa), (fb, qb, sb) in zip(a.qsim.codes, b.qsim.codes):
+        if fa != fb or not torch.equal(qa.double(), qb.double()) or not torch.equal(sa.double(), sb.double()):
+            return False
     return True
+
+
+def simulation_is_checkable(cfg, state, tokens, targets, tr, t32):
+    """quantization_simulation cases: clear of float32 noise, and picks the simulation changed."""
+    if cfg.quantization_simulation == "none":
+        return True
+    if tr.qsim.margin <= QUANT_NOISE_FACTOR * quant_noise(t32, tr):
+        return False
+    plain = ref.V4Config.from_dict(dict(vars(cfg), quantization_simulation="none"))
+    with torch.no_grad():
+        _, t0 = run_model(plain, state, tokens, targets, F64, grads=False)
+    return any(not torch.equal(tr.picks[k], t0.picks[k]) for k in tr.picks)
+
+
+def quant_noise(a, b):
+    """Largest |x_a − x_b| / amax_b over the values two forwards quantized (0: none)."""
+    return max((float(((xa.double() - xb.double()).abs() / mb.double()).max())
+                for (xa, _), (xb, mb) in zip(a.qsim.inputs, b.qsim.inputs)), default=0.0)
 
 
 def case_files(name):
@@ -245,6 +290,13 @@ def case_files(name):
                "ignored_targets": [list(x) for x in c["ignore"]],
                "margins": {"route": fmt_margin(tr.route_margin), "index": fmt_margin(tr.index_margin),
                            "clamp": fmt_margin(tr.clamp_margin)}}
+    if cfg.quantization_simulation != "none":
+        # the smallest distance to a quantization decision, and how far float32 rounding moves
+        # the quantized values (both relative to their block's amax)
+        with torch.no_grad():
+            _, t32 = run_model(cfg, state, tokens, targets, torch.float32, grads=False)
+        fixture["margins"]["quant"] = fmt_margin(tr.qsim.margin)
+        fixture["margins"]["quant_fp32_noise"] = fmt_margin(quant_noise(t32, tr))
     return {
         f"{name}/config.json": ("json", c["config"]),
         f"{name}/fixture.json": ("json", fixture),
@@ -982,6 +1034,50 @@ def selftest():
         t["x"], dict(t, **{"gate.bias": mp["gate.bias"]}), n_experts=M["E"], top_k=2, scale=1.5, limit=2.0,
         is_hash=False, input_ids=None, has_shared=True) ** 2).sum(), dict(x=xm, **mpf), n=1)
 
+    print("quantization simulation (quantization_simulation = reference)")
+    for fmt, top in ((ref.FP8_E4M3, 448.0), (ref.FP4_E2M1, 6.0)):
+        # the grid by its codes: (1 + m/2^mbits)·2^e for normals, m/2^mbits·2^emin below
+        grid, even = [], []
+        for m in range(2 ** fmt.mbits):
+            grid.append(m / 2 ** fmt.mbits * 2.0 ** fmt.emin)
+            even.append(m % 2 == 0)
+        e = fmt.emin
+        while (1.0 * 2.0 ** e) <= top:
+            for m in range(2 ** fmt.mbits):
+                if (1 + m / 2 ** fmt.mbits) * 2.0 ** e <= top:
+                    grid.append((1 + m / 2 ** fmt.mbits) * 2.0 ** e)
+                    even.append(m % 2 == 0)
+            e += 1
+        gt = torch.tensor(grid, dtype=F64)
+        v = torch.cat((torch.rand(4000, generator=g, dtype=F64) * top,
+                       (gt[1:] + gt[:-1]) / 2))                            # every tie too
+        dist = (v[:, None] - gt[None, :]).abs()
+        nearest = dist == dist.min(-1, keepdim=True).values               # one, or two at a tie
+        nearest_even = nearest & torch.tensor(even)[None, :]
+        pick = torch.where(nearest_even.any(-1), gt[nearest_even.float().argmax(-1)],
+                           gt[nearest.float().argmax(-1)])
+        chk(torch.equal(fmt.round(v), pick) and torch.equal(fmt.round(-v), -pick),
+            f"{fmt.name}: nearest grid value, ties to the even code ({len(grid)} values up to {top:g})")
+        q = ref.QuantSim()
+        x = rnd(6, 64) * torch.logspace(-3, 3, 6, dtype=F64)[:, None]    # amax above the floors
+        y = q.quant_dequant(x, fmt)
+        amax = x.unflatten(-1, (-1, fmt.block)).abs().amax(-1)
+        s = q.codes[0][2].squeeze(-1)
+        chk(bool((torch.frexp(s)[0] == 0.5).all()) and bool((amax <= top * s).all()) and bool((amax > top * s / 2).all())
+            and torch.equal(q.quant_dequant(y, fmt), y),
+            f"{fmt.name}: scales 2^ceil(log2(amax / {top:g})), values it holds stay")
+    for n in (1, 2, 32, 128):
+        h = ref.hadamard_matrix(n)
+        chk(torch.equal(h @ h.t(), n * torch.eye(n, dtype=F64)) and torch.equal(h, h.t()),
+            f"Hadamard {n}: H = Hᵀ, H·Hᵀ = n·I (the rotation H/√n is orthonormal)")
+    sim = ref.QuantSim()
+    x = rnd(3, 80).requires_grad_(True)
+    w = rnd(3, 80)
+    y = sim.fp8_nope(x, 16)
+    (gx,) = torch.autograd.grad((y * w).sum(), x)
+    chk(torch.equal(y[:, 64:], x[:, 64:]) and not torch.equal(y[:, :64], x[:, :64]) and torch.equal(gx, w),
+        "fp8_nope: rope tail untouched, straight-through gradient")
+
     print("whole model")
     for name in CASES:
         cfg, state, tokens, targets, seed, _ = case_state(name)
@@ -1016,16 +1112,39 @@ def selftest():
                              "layers.1.attn.wo_a.weight", "layers.2.attn.compressor.wgate.weight",
                              "layers.1.ffn.gate.weight", "layers.0.ffn.experts.3.w1.weight", "hc_head_fn",
                              "mtp.0.e_proj.weight", "mtp.0.hc_ffn_base", "embed.weight", "head.weight",
-                             "layers.0.attn.compressor.ape", "layers.0.ffn.gate.weight")
+                             "layers.0.attn.compressor.ape", "layers.0.ffn.gate.weight",
+                             "layers.0.attn.kv_norm.weight")
                  if k in state]
         p64 = to_dtype(state, F64, False)
+        # Quantization is piecewise constant, and its gradient straight-through: differentiate
+        # the smooth stand-in that adds this forward's quantization errors as constants, whose
+        # value and gradient here are the model's (checked first).
+        replay = tr.qsim.offsets if cfg.quantization_simulation != "none" else None
 
-        def loss_of(t, cfg=cfg, tokens=tokens, targets=targets, p64=p64):
+        def loss_of(t, cfg=cfg, tokens=tokens, targets=targets, p64=p64, replay=replay):
             pp = dict(p64)
             pp.update(t)
-            lg, ml = ref.forward(pp, cfg, tokens, mtp=cfg.num_nextn_predict_layers > 0)
+            trace = ref.Trace()
+            if replay is not None:
+                trace.qsim = ref.QuantSim(replay=replay)
+            lg, ml = ref.forward(pp, cfg, tokens, mtp=cfg.num_nextn_predict_layers > 0, trace=trace)
             return ref.loss_fn(lg, ml, targets, MTP_LOSS_SCALE)[0]
+        if replay is not None:
+            leaves = {k: p64[k].clone().requires_grad_(True) for k in picks}
+            stand_in = loss_of(leaves)
+            gs = torch.autograd.grad(stand_in, list(leaves.values()))
+            err = max(rel_err(gr, res["grads"][k]) for k, gr in zip(picks, gs))
+            chk(abs(float(stand_in) - float(res["loss"])) < 1e-14 * abs(float(res["loss"])) and err < 1e-12,
+                f"{name}: the stand-in has the model's loss and (straight-through) gradients",
+                f"worst grad rel {err:.1e}")
         fd_check(chk, f"{name}: loss vs {len(picks)} parameter tensors", loss_of, {k: p64[k] for k in picks}, n=2)
+        if cfg.quantization_simulation != "none":
+            plain = ref.V4Config.from_dict(dict(vars(cfg), quantization_simulation="none"))
+            r0, t0_ = run_model(plain, state, tokens, targets, F64, grads=False)
+            changed = sum(int((tr.picks[k] != t0_.picks[k]).any(-1).sum()) for k in tr.picks)
+            chk(rel_err(res["logits"], r0["logits"]) > 1e-3 and changed > 0,
+                f"{name}: the simulation changes the logits and some indexer picks",
+                f"logits rel {rel_err(res['logits'], r0['logits']):.1e}, {changed} queries' picks")
     print(f"selftest: {chk.passed} passed, {chk.failed} failed")
     return chk.failed == 0
 

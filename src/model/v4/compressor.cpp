@@ -7,6 +7,7 @@
 #include "core/parallel.h"
 #include "kernels/activations.h"
 #include "kernels/gemm.h"
+#include "kernels/quant_sim.h"
 #include "kernels/vector_math.h"
 
 namespace moe {
@@ -93,6 +94,15 @@ void V4Compressor::init(const std::string& prefix, const V4CompressorDims& dims)
             "> 0, got {}, {}, {}", prefix, dim, head_dim, ratio);
   MOE_CHECK(rope_dim >= 0 && rope_dim % 2 == 0 && rope_dim <= head_dim,
             "{}: rope dims must be even and at most head_dim {}, got {}", prefix, head_dim, rope_dim);
+  entry_precision = dims.entry_precision;
+  if (entry_precision == SimulatedPrecision::Fp8NonRope)
+    MOE_CHECK((head_dim - rope_dim) % kSimFp8Block == 0,
+              "{}: simulated FP8 entries need non-RoPE features in whole blocks of {}, got head_dim "
+              "{} - rope {}", prefix, kSimFp8Block, head_dim, rope_dim);
+  if (entry_precision == SimulatedPrecision::HadamardFp4)
+    MOE_CHECK(head_dim % kSimFp4Block == 0 && (head_dim & (head_dim - 1)) == 0,
+              "{}: Hadamard-rotated FP4 entries need a power-of-two head_dim >= {}, got {}", prefix,
+              kSimFp4Block, head_dim);
   wkv.init(prefix + "wkv.weight", {features(), dim}, /*decay=*/true);
   wgate.init(prefix + "wgate.weight", {features(), dim}, /*decay=*/true);
   // A bias on the gate scores: no weight decay, like the engine's other biases.
@@ -148,9 +158,10 @@ Tensor V4Compressor::entry_positions(int64_t batch, int64_t W) const {
 void V4Compressor::finish(const float* pooled, float* entries, int64_t rows,
                           const Tensor& positions) const {
   rmsnorm_forward(pooled, norm.weight.w(), entries, nullptr, rows, head_dim, norm.eps);
-  if (rope_dim == 0 || rows == 0) return;
-  rope_forward(*rope_, entries + (head_dim - rope_dim), rows, 1, head_dim, head_dim,
-               positions.i32());
+  if (rope_dim > 0 && rows > 0)
+    rope_forward(*rope_, entries + (head_dim - rope_dim), rows, 1, head_dim, head_dim,
+                 positions.i32());
+  simulate_precision(entry_precision, entries, rows, head_dim, rope_dim);
 }
 
 CompressedKv V4Compressor::forward(const Tensor& x, const BatchShape& shape, Pass pass,
@@ -160,6 +171,9 @@ CompressedKv V4Compressor::forward(const Tensor& x, const BatchShape& shape, Pas
             shape_str(x.shape()));
   MOE_CHECK(rope_dim == 0 || (rope_ != nullptr && rope_->dim() == rope_dim),
             "{}: needs a RoPE table of {} dims (share_rope before forward)", wkv.name, rope_dim);
+  MOE_CHECK(!(needs_backward(pass) && entry_precision == SimulatedPrecision::HadamardFp4),
+            "{}: Hadamard-rotated FP4 entries (the indexer's) have no backward; run the forward "
+            "in Pass::Eval or Pass::Inference", wkv.name);
   const int64_t B = shape.batch, W = windows(shape.seq), F = features();
   if (rope_dim > 0 && W > 0) rope_->ensure((W - 1) * ratio + 1);
   CompressedKv out;

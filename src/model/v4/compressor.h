@@ -30,10 +30,12 @@
 // every SIMD target), every window is computed by one thread in slot order, and cross-window
 // sums (ape's gradient) run over fixed column blocks in row order.
 //
-// Not simulated: DeepSeek's reference quant-dequantises the non-rope features of the main
-// compressor's entries to FP8 (block 64, ue8m0) as in its KV cache; HF and Automodel do not.
-// The attention, which applies that simulation to its own KV (if at all), can apply it to the
-// entries the same way.
+// Simulated precision (V4CompressorDims::entry_precision, model/v4/simulated_precision.h): after
+// RoPE, DeepSeek's reference quantize-dequantizes the main compressor's entries to FP8 on their
+// non-RoPE features (Fp8NonRope) and the indexer compressor's to FP4 after a Hadamard rotation
+// (HadamardFp4); HF and Automodel do neither (the default, None). Backward passes Fp8NonRope as
+// identity (straight-through: d_entries is taken as the gradient of the unquantized entries);
+// HadamardFp4 serves the indexer, which has no backward, and refuses a training forward.
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -43,6 +45,7 @@
 #include "model/param.h"
 #include "model/rope.h"
 #include "model/v4/compressed_kv.h"
+#include "model/v4/simulated_precision.h"
 #include "model/v4/v4_cache.h"
 
 namespace moe {
@@ -53,6 +56,7 @@ struct V4CompressorDims {
   int64_t rope_dim = 0;  // the trailing features RoPE rotates (qk_rope_head_dim; even, <= d_c)
   int64_t ratio = 0;     // tokens per window: 4 = CSA (overlapping), anything else = HCA
   double eps = 1e-6;     // the norm's (rms_norm_eps)
+  SimulatedPrecision entry_precision = SimulatedPrecision::None;
 };
 
 class V4Compressor {
@@ -92,6 +96,7 @@ class V4Compressor {
   Param wkv, wgate, ape;
   RMSNorm norm;
   int64_t dim = 0, head_dim = 0, rope_dim = 0, ratio = 0;
+  SimulatedPrecision entry_precision = SimulatedPrecision::None;
 
  private:
   // c and z [B·W·ratio, coff·d_c] of every sequence's complete-window rows.
@@ -99,7 +104,8 @@ class V4Compressor {
   // Per window: the softmax weights over its slots, written over z (each element of z belongs
   // to at most one window), and the pooled row [d_c].
   void pool(const float* c, float* zp, float* pooled, int64_t batch, int64_t W) const;
-  // RMSNorm + RoPE of `rows` pooled rows into entries, entry i at position positions[i].
+  // RMSNorm + RoPE (+ entry_precision) of `rows` pooled rows into entries, entry i at position
+  // positions[i].
   void finish(const float* pooled, float* entries, int64_t rows, const Tensor& positions) const;
   Tensor entry_positions(int64_t batch, int64_t W) const;
 

@@ -63,9 +63,19 @@ void V4Indexer::init(const std::string& prefix, const V4IndexerDims& dims) {
   ratio = dims.ratio;
   MOE_CHECK(dim > 0 && q_lora > 0 && n_heads > 0 && head_dim > 0 && topk > 0 && ratio > 0,
             "{}: indexer needs positive dim, q_lora, n_heads, head_dim, topk and ratio", prefix);
+  qk_precision = dims.qk_precision;
+  MOE_CHECK(qk_precision == SimulatedPrecision::None ||
+                qk_precision == SimulatedPrecision::HadamardFp4,
+            "{}: the indexer's simulated precision must be none or Hadamard + FP4", prefix);
   wq_b.init(prefix + "wq_b.weight", {n_heads * head_dim, q_lora}, /*decay=*/true);
   weights_proj.init(prefix + "weights_proj.weight", {n_heads, dim}, /*decay=*/true);
-  compressor.init(prefix + "compressor.", {dim, head_dim, rope_dim, ratio, dims.eps});
+  // Its keys get the queries' treatment, so both sides of q·k sit in the same rotated frame.
+  compressor.init(prefix + "compressor.", {.dim = dim,
+                                           .head_dim = head_dim,
+                                           .rope_dim = rope_dim,
+                                           .ratio = ratio,
+                                           .eps = dims.eps,
+                                           .entry_precision = qk_precision});
   // Loaded and saved with the model, never trained (see the header).
   ParamList own;
   collect(own);
@@ -129,6 +139,7 @@ Tensor V4Indexer::forward(const Tensor& x, const Tensor& qr, const BatchShape& s
     for (int64_t i = 0; i < B * nq; ++i) pos.i32()[i] = static_cast<int32_t>(t0 + i % nq);
     rope_forward(*rope_, q.f32() + (di - rope_dim), B * nq, H, hd, di, pos.i32());
   }
+  simulate_precision(qk_precision, q.f32(), B * nq * H, di, rope_dim);
 
   // Tokens t0 + 4g .. t0 + 4g + 3 see the same entries ((t0 + 1) is a multiple of ratio), so
   // a group's head scores [group·H, visible] come from one GEMM (its q rows are contiguous);
@@ -214,6 +225,7 @@ Tensor V4Indexer::forward_cached(const Tensor& x, const Tensor& qr,
     rope_->ensure(last + 1);
     rope_forward(*rope_, q.f32() + (di - rope_dim), n, H, hd, di, pos.i32());
   }
+  simulate_precision(qk_precision, q.f32(), n * H, di, rope_dim);
 
   const ThreadSlabs fslabs((H + 1) * max_visible);
   const ThreadSlabs islabs(max_visible, DType::I32);

@@ -17,10 +17,12 @@
 // and there is no indexer (KL) loss here. Its parameters are marked trainable = false, so a
 // trainer neither allocates their gradients nor decays them.
 //
-// Not simulated: DeepSeek's reference rotates q and k by an orthonormal Hadamard transform and
-// quant-dequantises both to FP4 (block 32). The rotation cancels in q·k (HᵀH = I), and the FP4
-// simulation only changes numerics (HF and Automodel omit both), so the picks here are those
-// of HF and Automodel.
+// Simulated precision (V4IndexerDims::qk_precision): by default none, so the picks are those of
+// HF and Automodel, which omit it. HadamardFp4 does what DeepSeek's reference does: q (per head,
+// after RoPE) and k (the compressor's entries, after its norm and RoPE) are rotated by the
+// orthonormal Hadamard transform and FP4-quantize-dequantized in blocks of 32
+// (model/v4/simulated_precision.h). The rotation alone would cancel in q·k (HᵀH = I); the FP4
+// grid, coarse in the rotated frame, changes the scores and so possibly the picks.
 //
 // Determinism: q, w and the scores are FMA-chain GEMMs, the head sum runs in head order on one
 // thread per token, and the selection is a total order (score, then id; a NaN score ranks
@@ -45,6 +47,7 @@ struct V4IndexerDims {
   int64_t topk = 0;      // index_topk
   int64_t ratio = 4;     // the CSA compress ratio
   double eps = 1e-6;     // its compressor's norm
+  SimulatedPrecision qk_precision = SimulatedPrecision::None;  // None or HadamardFp4
 };
 
 class V4Indexer {
@@ -71,6 +74,7 @@ class V4Indexer {
   Param wq_b, weights_proj;
   V4Compressor compressor;
   int64_t dim = 0, q_lora = 0, n_heads = 0, head_dim = 0, rope_dim = 0, topk = 0, ratio = 0;
+  SimulatedPrecision qk_precision = SimulatedPrecision::None;
 
  private:
   std::shared_ptr<RopeTable> rope_;

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/gemm.h"
+#include "kernels/quant_sim.h"
 #include "kernels/vector_math.h"
 
 namespace moe {
@@ -273,6 +274,11 @@ void V4Attention::init(const std::string& prefix, const V4AttentionDims& d, cons
             d.o_groups, d.heads);
   MOE_CHECK(rp.dim == d.rope_dim, "{}: the RoPE flavour rotates {} dims, the heads {}", prefix,
             rp.dim, d.rope_dim);
+  MOE_CHECK(d.kv_precision == SimulatedPrecision::None ||
+                (d.kv_precision == SimulatedPrecision::Fp8NonRope &&
+                 (d.head_dim - d.rope_dim) % kSimFp8Block == 0),
+            "{}: the KV's simulated precision must be none, or FP8 on non-RoPE features that fill "
+            "blocks of {} (head_dim {} - rope {})", prefix, kSimFp8Block, d.head_dim, d.rope_dim);
   wq_a.init(prefix + "wq_a.weight", d.hidden, d.q_lora_rank);
   q_norm.init(prefix + "q_norm.weight", d.q_lora_rank, d.eps);
   wq_b.init(prefix + "wq_b.weight", d.q_lora_rank, qdim());
@@ -449,10 +455,16 @@ Tensor V4Attention::query_heads(Tensor qr, const Tensor& positions, Tensor* q_rs
 }
 
 Tensor V4Attention::shared_kv(const Tensor& x, const Tensor& positions, Pass pass, Pass first) {
-  const int64_t d = dims.head_dim;
   Tensor kv = kv_norm.forward(wkv.forward(x, first), pass);
-  rope_forward(*rope_, kv.f32() + (d - dims.rope_dim), x.dim(0), 1, d, 0, positions.i32());
+  rotate_and_simulate_kv(kv, positions);
   return kv;
+}
+
+void V4Attention::rotate_and_simulate_kv(Tensor& kv, const Tensor& positions) const {
+  const int64_t T = kv.dim(0), d = dims.head_dim;
+  rope_forward(*rope_, kv.f32() + (d - dims.rope_dim), T, 1, d, 0, positions.i32());
+  // After RoPE, as the reference: the quantized features and the rotated ones are disjoint.
+  simulate_precision(dims.kv_precision, kv.f32(), T, d, dims.rope_dim);
 }
 
 Tensor V4Attention::output(Tensor o, const Tensor& positions, Pass pass) {
@@ -616,8 +628,10 @@ Tensor V4Attention::backward_impl(const Tensor& dy, const Tensor& x, const Tenso
             HD, false);
   rope_forward(*rope_, dO.f32() + (d - dr), T, H, HD, d, positions.i32());
 
+  // The forward's keys and values bit for bit. Their gradient below is that of the simulated
+  // values, taken as the unquantized ones' (straight-through, as quantization-aware training).
   Tensor kv = kv_norm.recompute_output();
-  rope_forward(*rope_, kv.f32() + (d - dr), T, 1, d, 0, positions.i32());
+  rotate_and_simulate_kv(kv, positions);
 
   Core c;
   c.B = B, c.S = S, c.H = H, c.d = d, c.window = dims.window;

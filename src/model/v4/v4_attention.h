@@ -6,7 +6,8 @@
 //
 //   qr = q_norm(wq_a·x)                                  [T, q_lora]  (the CSA indexer reads it)
 //   q  = RoPE(rms(wq_b·qr) per head)                     [T, H, d]    (weightless head norm)
-//   kv = RoPE(kv_norm(wkv·x))                            [T, d]       (key and value at once)
+//   kv = RoPE(kv_norm(wkv·x))                            [T, d]       (key and value at once;
+//                                                                      optionally FP8-simulated)
 //   o_h(t) = Σ_j p_j kv_j,  p = softmax over [scale·q_h(t)·kv_j for visible j ; attn_sink_h]
 //            (the sink column carries no value, so Σ_j p_j < 1)
 //   o' = RoPE⁻¹(o) at the query's position; z_j = wo_a_j·o'_j per group; y = wo_b·z.
@@ -25,6 +26,7 @@
 #include "model/param.h"
 #include "model/rope.h"
 #include "model/v4/compressed_kv.h"
+#include "model/v4/simulated_precision.h"
 #include "model/v4/v4_cache.h"
 
 namespace moe {
@@ -39,6 +41,9 @@ struct V4AttentionDims {
   int64_t o_lora_rank = 0;  // each group's wo_a output
   int64_t window = 0;       // sliding window length (>= 1), the query itself included
   double eps = 1e-6;        // q_norm, kv_norm and the per-head q normalisation
+  // Fp8NonRope: DeepSeek's reference quantize-dequantizes kv's non-RoPE features to FP8 after
+  // its RoPE (model/v4/simulated_precision.h); the backward passes it as identity.
+  SimulatedPrecision kv_precision = SimulatedPrecision::None;
 };
 
 class V4Attention {
@@ -102,10 +107,12 @@ class V4Attention {
   // The pieces forward() and forward_cached() share, per row at its position:
   //   q = RoPE(rms(wq_b·qr) per head) [T, H·d] (qr released after wq_b), each head's 1/rms
   //       into *q_rstd [T, H] when given;
-  //   kv = RoPE(kv_norm(wkv·x)) [T, d] (wkv's forward in pass `first`, kv_norm's in `pass`);
+  //   kv = RoPE(kv_norm(wkv·x)) [T, d] (wkv's forward in pass `first`, kv_norm's in `pass`),
+  //        then dims.kv_precision (rotate_and_simulate_kv, which backward's rebuild shares);
   //   y = wo_b·grouped wo_a·RoPE⁻¹(o) [T, hidden] (o is rotated in place, then released).
   Tensor query_heads(Tensor qr, const Tensor& positions, Tensor* q_rstd);
   Tensor shared_kv(const Tensor& x, const Tensor& positions, Pass pass, Pass first);
+  void rotate_and_simulate_kv(Tensor& kv, const Tensor& positions) const;
   Tensor output(Tensor o, const Tensor& positions, Pass pass);
   // The qr that query_residual() handed out, checked to be `qr` (undefined: computed now).
   Tensor take_query_residual(const Tensor& x, const Tensor& qr, Pass pass, SaveInput save_input);
@@ -129,7 +136,8 @@ class V4Attention {
   //   the CompressedKv's entries and picks (references to the caller's tensors, no copies).
   // Not saved, because backward rebuilds them:
   //   P [T, H, keys]   flash-style per block from q, kv and the stats: the score GEMM again;
-  //   kv [T, d]        kv_norm's output from its saved input, then RoPE (elementwise, bitwise);
+  //   kv [T, d]        kv_norm's output from its saved input, then RoPE and the simulated
+  //                    precision (elementwise / per row, bitwise);
   //   qr [T, q_lora]   q_norm.recompute_output() for wq_b's weight gradient;
   //   o [T, H·d]       wo_a's input, P·kv again inside the backward's block loop (one more GEMM
   //                    of the forward's size) instead of H·d floats per token held all step.

@@ -5,6 +5,9 @@
 //   window     the shared KV rows (kv_norm + RoPE, key and value at once) of the last
 //              `sliding_window` positions, a ring: position p sits in row p mod window_rows;
 //   entries    (ratio > 0) every completed compressed entry, [max_len / ratio, head_dim];
+//   (both as the attention reads them: after the simulated FP8 of
+//   quantization_simulation "reference", whose fp32 values the cache keeps rather than the
+//   FP8 bytes, so cached logits stay those of a full recompute)
 //   state      (ratio > 0) the compressor's per-token projections c = wkv·x and z = wgate·x of
 //              the latest positions, a ring of ratio (HCA) or 2·ratio (CSA: a window also pools
 //              the previous window's tokens) rows, from which the next entry is pooled once its

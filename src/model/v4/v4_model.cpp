@@ -60,6 +60,11 @@ V4Block::V4Block(const ModelConfig& cfg, int64_t layer, const std::string& prefi
   hc_ffn.init(prefix + "hc_ffn", n, D, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters);
   attn_norm.init(prefix + "attn_norm.weight", D, cfg.rms_norm_eps);
   ffn_norm.init(prefix + "ffn_norm.weight", D, cfg.rms_norm_eps);
+  // quantization_simulation "reference": FP8 on the KV and the main entries, Hadamard + FP4 in
+  // the indexer, at DeepSeek's reference's sites (model/v4/simulated_precision.h).
+  const bool reference = cfg.simulates_reference_quantization();
+  const SimulatedPrecision kv_precision =
+      reference ? SimulatedPrecision::Fp8NonRope : SimulatedPrecision::None;
   const V4AttentionDims dims{.hidden = D,
                              .heads = cfg.num_attention_heads,
                              .head_dim = cfg.head_dim,
@@ -68,15 +73,20 @@ V4Block::V4Block(const ModelConfig& cfg, int64_t layer, const std::string& prefi
                              .o_groups = cfg.o_groups,
                              .o_lora_rank = cfg.o_lora_rank,
                              .window = cfg.sliding_window,
-                             .eps = cfg.rms_norm_eps};
+                             .eps = cfg.rms_norm_eps,
+                             .kv_precision = kv_precision};
   const std::shared_ptr<RopeTable>& rope = ratio > 0 ? ropes.compressed : ropes.window;
   attn.init(prefix + "attn.", dims,
             ratio > 0 ? V4RopeTables::compressed_params(cfg) : V4RopeTables::window_params(cfg));
   attn.share_rope(rope);
   if (ratio > 0) {
     compressor = std::make_unique<V4Compressor>();
-    compressor->init(prefix + "attn.compressor.",
-                     {D, cfg.head_dim, cfg.qk_rope_head_dim, ratio, cfg.rms_norm_eps});
+    compressor->init(prefix + "attn.compressor.", {.dim = D,
+                                                   .head_dim = cfg.head_dim,
+                                                   .rope_dim = cfg.qk_rope_head_dim,
+                                                   .ratio = ratio,
+                                                   .eps = cfg.rms_norm_eps,
+                                                   .entry_precision = kv_precision});
     compressor->share_rope(rope);
   }
   if (ratio == 4) {
@@ -88,7 +98,10 @@ V4Block::V4Block(const ModelConfig& cfg, int64_t layer, const std::string& prefi
                                              .rope_dim = cfg.qk_rope_head_dim,
                                              .topk = cfg.index_topk,
                                              .ratio = ratio,
-                                             .eps = cfg.rms_norm_eps});
+                                             .eps = cfg.rms_norm_eps,
+                                             .qk_precision = reference
+                                                                 ? SimulatedPrecision::HadamardFp4
+                                                                 : SimulatedPrecision::None});
     indexer->share_rope(rope);
   }
   ffn.init(prefix + "ffn.", cfg, dispatcher,

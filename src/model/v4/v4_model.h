@@ -17,6 +17,10 @@
 //     shared head; targets shifted the same way (-100 in the last slot).
 //     loss = CE + mtp_loss_scale · CE_mtp (LossOptions; 0.1 = Automodel's default for depth 1).
 //
+// ModelConfig::quantization_simulation "reference" adds DeepSeek's reference forward's simulated
+// FP8 / FP4 (model/v4/simulated_precision.h) at its sites in the attention, compressors and
+// indexer, in training and cached inference alike; "none" (the default) is HF's / Automodel's V4.
+//
 // Gradients flow as the PyTorch reference's autograd does (tests/reference/deepseek_v4_ref.py):
 // the compressors get theirs through the attention's d_entries; the indexer gets none (its picks
 // are integers; its parameters are frozen: no gradient, no optimizer state); the embedding and
