@@ -33,6 +33,19 @@ const char* tensor_kind_name(TensorKind k) {
 
 namespace {
 
+// For `name` = head + "<digits>." + rest: sets `rest` and returns true.
+bool after_layer_index(std::string_view name, std::string_view head, std::string_view& rest) {
+  if (!name.starts_with(head)) return false;
+  rest = name.substr(head.size());
+  const size_t dot = rest.find('.');
+  if (dot == 0 || dot == std::string_view::npos ||
+      !std::all_of(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(dot),
+                   [](char c) { return c >= '0' && c <= '9'; }))
+    return false;
+  rest.remove_prefix(dot + 1);
+  return true;
+}
+
 // DeepSeek-V4's released names (SPEC §6.10).
 TensorKind v4_kind_of(std::string_view name) {
   if (name == "embed.weight") return TensorKind::Embedding;
@@ -42,15 +55,8 @@ TensorKind v4_kind_of(std::string_view name) {
   const bool mtp = name.starts_with("mtp.");
   if (name.find(".ffn.experts.") != std::string_view::npos) return TensorKind::RoutedExperts;
   if (mtp) return TensorKind::Mtp;
-  const std::string_view head = "layers.";
-  if (!name.starts_with(head)) return TensorKind::Unknown;
-  std::string_view rest = name.substr(head.size());
-  const size_t dot = rest.find('.');
-  if (dot == 0 || dot == std::string_view::npos ||
-      !std::all_of(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(dot),
-                   [](char c) { return c >= '0' && c <= '9'; }))
-    return TensorKind::Unknown;
-  rest.remove_prefix(dot + 1);
+  std::string_view rest;
+  if (!after_layer_index(name, "layers.", rest)) return TensorKind::Unknown;
   if (rest.starts_with("hc_")) return TensorKind::HyperConnections;
   if (rest.ends_with("norm.weight")) return TensorKind::Norms;
   if (rest.starts_with("attn.")) return TensorKind::Attention;
@@ -67,16 +73,8 @@ TensorKind tensor_kind_of(const std::string& name, const HfWeightsInfo& info) {
   if (name == "model.embed_tokens.weight") return TensorKind::Embedding;
   if (name == "lm_head.weight") return TensorKind::Head;
   if (name == "model.norm.weight") return TensorKind::Norms;
-  std::string_view rest = name;
-  const std::string_view head = "model.layers.";
-  if (!rest.starts_with(head)) return TensorKind::Unknown;
-  rest.remove_prefix(head.size());
-  const size_t dot = rest.find('.');
-  if (dot == 0 || dot == std::string_view::npos ||
-      !std::all_of(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(dot),
-                   [](char c) { return c >= '0' && c <= '9'; }))
-    return TensorKind::Unknown;
-  rest.remove_prefix(dot + 1);
+  std::string_view rest;
+  if (!after_layer_index(name, "model.layers.", rest)) return TensorKind::Unknown;
   if (rest.ends_with("layernorm.weight")) return TensorKind::Norms;
   if (rest.starts_with("self_attn.")) return TensorKind::Attention;
   if (rest.starts_with("mlp.gate.")) return TensorKind::Router;

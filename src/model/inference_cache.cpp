@@ -1,5 +1,7 @@
 #include "model/inference_cache.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace moe {
@@ -24,6 +26,23 @@ void InferenceCache::release(int64_t slot) {
   MOE_CHECK(slot >= 0 && slot < slots_ && taken_[static_cast<size_t>(slot)],
             "KV cache: releasing slot {} which is not in use", slot);
   taken_[static_cast<size_t>(slot)] = false;
+}
+
+Tensor last_rows_of_chunks(const Tensor& x, std::span<const CachedChunk> chunks) {
+  std::vector<int64_t> last;
+  int64_t row = 0;
+  for (const CachedChunk& c : chunks) {
+    row += c.count;
+    if (c.count > 0) last.push_back(row - 1);
+  }
+  Shape shape = x.shape();
+  const int64_t per_row = x.numel() / std::max<int64_t>(1, shape[0]);
+  shape[0] = static_cast<int64_t>(last.size());
+  Tensor picked = Tensor::empty(shape, DType::F32, MemCategory::Activations);
+  for (size_t i = 0; i < last.size(); ++i)
+    std::copy_n(x.f32() + last[i] * per_row, per_row,
+                picked.f32() + static_cast<int64_t>(i) * per_row);
+  return picked;
 }
 
 int64_t InferenceCache::free_slots() const {

@@ -7,7 +7,10 @@
 // per request and its size is known up front. The model that made a cache (CausalLM::make_cache)
 // is the only one that reads or writes its contents.
 #include <cstdint>
+#include <span>
 #include <vector>
+
+#include "core/tensor.h"
 
 namespace moe {
 
@@ -18,6 +21,10 @@ struct CachedChunk {
   int64_t past = 0;
   int64_t count = 0;
 };
+
+// The rows of a cached forward's activations x [T, ...] that end a non-empty chunk (the rows
+// whose logits are sampled), in chunk order, as a new Activations tensor [chunks', ...].
+Tensor last_rows_of_chunks(const Tensor& x, std::span<const CachedChunk> chunks);
 
 class InferenceCache {
  public:

@@ -338,21 +338,8 @@ Tensor DeepSeekModel::forward_cached(const Tensor& tokens, std::span<const Cache
   lora_runtime_->dropout_active = false;
   Tensor x = embed_.forward(tokens, Pass::Inference);
   for (size_t l = 0; l < blocks_.size(); ++l) x = blocks_[l]->forward_cached(x, chunks, cache[l]);
-  if (!all_rows) {
-    // Only the rows that predict a next token go through the final norm and the head.
-    std::vector<int64_t> last;
-    int64_t row = 0;
-    for (const CachedChunk& c : chunks) {
-      row += c.count;
-      if (c.count > 0) last.push_back(row - 1);
-    }
-    const int64_t D = cfg_.hidden_size;
-    Tensor picked = Tensor::empty({static_cast<int64_t>(last.size()), D}, DType::F32,
-                                  MemCategory::Activations);
-    for (size_t i = 0; i < last.size(); ++i)
-      std::copy_n(x.f32() + last[i] * D, D, picked.f32() + static_cast<int64_t>(i) * D);
-    x = std::move(picked);
-  }
+  // Only the rows that predict a next token go through the final norm and the head.
+  if (!all_rows) x = last_rows_of_chunks(x, chunks);
   return head_.logits(final_norm_.forward(x, Pass::Inference));
 }
 

@@ -45,6 +45,18 @@ struct Statics {
   int64_t frozen_fp32 = 0;         // fp32 tensors that never train (V4: indexers, hash tables)
   int64_t trainable = 0;           // floats with gradient and AdamW moments (pretraining)
   int64_t adapters_dense = 0, adapters_experts = 0;  // adapter floats
+
+  // A layer's local routed experts (`weights` of them in all): packed bytes when frozen in
+  // MXFP4, trained fp32 floats otherwise.
+  void add_routed_experts(int64_t weights, bool mxfp4) {
+    if (mxfp4) {
+      expert_packed_bytes += weights / 2 + weights / mxfp4::kBlock;
+    } else {
+      fp32_weights += weights;
+      expert_fp32 += weights;
+      trainable += weights;
+    }
+  }
 };
 
 std::string describe_bytes_per_token(int64_t bytes, int64_t tokens) {
@@ -123,16 +135,9 @@ std::vector<LayerShape> v3_layers(const ModelConfig& mc, const Dims& d, Adapters
         L.down = {Is, d.D, rank_of(p + "mlp.shared_experts.down_proj")};
       }
       const int64_t router = E * d.D, bias = E, shared = 3 * d.D * Is;
-      const int64_t experts = d.E_loc * 3 * d.D * d.Im;
       st.fp32_weights += attn + norms + router + bias + shared;
       st.trainable += attn + norms + router + shared;
-      if (d.mxfp4) {
-        st.expert_packed_bytes += experts / 2 + experts / mxfp4::kBlock;
-      } else {
-        st.fp32_weights += experts;
-        st.expert_fp32 += experts;
-        st.trainable += experts;
-      }
+      st.add_routed_experts(d.E_loc * 3 * d.D * d.Im, d.mxfp4);
       if (ad.match) {
         for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
           int64_t hits = 0;
@@ -198,14 +203,7 @@ std::vector<V4LayerShape> v4_layers(const ModelConfig& mc, const Dims& d, const 
     st.fp32_weights += trained + frozen;
     st.frozen_fp32 += frozen;
     st.trainable += trained;
-    const int64_t experts = d.E_loc * 3 * D * d.Im;
-    if (d.mxfp4) {
-      st.expert_packed_bytes += experts / 2 + experts / mxfp4::kBlock;
-    } else {
-      st.fp32_weights += experts;
-      st.expert_fp32 += experts;
-      st.trainable += experts;
-    }
+    st.add_routed_experts(d.E_loc * 3 * D * d.Im, d.mxfp4);
 
     V4LayerLora sel;
     const bool adapted = ad.match && l < d.L;

@@ -80,23 +80,8 @@ Tensor DeepSeekV4Model::forward_cached(const Tensor& tokens, std::span<const Cac
   const std::vector<V4LayerCache>& layers = v4->layers();
   for (size_t l = 0; l < blocks_.size(); ++l)
     X = block_forward_cached(*blocks_[l], X, tokens, chunks, layers[l]);
-  if (!all_rows) {
-    // Only the rows that predict a next token go through the head.
-    std::vector<int64_t> last;
-    int64_t row = 0;
-    for (const CachedChunk& c : chunks) {
-      row += c.count;
-      if (c.count > 0) last.push_back(row - 1);
-    }
-    const int64_t per_row = cfg_.hc_mult * cfg_.hidden_size;
-    Tensor picked = Tensor::empty({static_cast<int64_t>(last.size()), cfg_.hc_mult,
-                                   cfg_.hidden_size},
-                                  DType::F32, MemCategory::Activations);
-    for (size_t i = 0; i < last.size(); ++i)
-      std::copy_n(X.f32() + last[i] * per_row, per_row,
-                  picked.f32() + static_cast<int64_t>(i) * per_row);
-    X = std::move(picked);
-  }
+  // Only the rows that predict a next token go through the head.
+  if (!all_rows) X = last_rows_of_chunks(X, chunks);
   return head_.logits(norm_.forward(hc_head_.forward(X, pass), pass));
 }
 
