@@ -197,27 +197,6 @@ namespace {
 // Directional derivative of `loss` along unit direction d over all of p's entries, by central
 // differences, against <g, d>: one entry's derivative is too small for an fp32 model loss, a
 // whole tensor's is not. Returns |fd - <g, d>| / |g|.
-double directional_error(const std::function<double()>& loss, Param& p,
-                         const std::vector<float>& d, float eps) {
-  const int64_t n = p.value.numel();
-  std::vector<float> orig(p.w(), p.w() + n);
-  double gd = 0, gg = 0;
-  for (int64_t i = 0; i < n; ++i) gd += double(p.g()[i]) * d[i], gg += double(p.g()[i]) * p.g()[i];
-  auto at = [&](float t) {
-    for (int64_t i = 0; i < n; ++i) p.w()[i] = orig[i] + t * d[i];
-    return loss();
-  };
-  const double fd = (at(eps) - at(-eps)) / (2.0 * eps);
-  std::copy(orig.begin(), orig.end(), p.w());
-  return std::fabs(fd - gd) / std::sqrt(gg);
-}
-
-std::vector<float> unit(std::vector<float> v) {
-  double n = 0;
-  for (float x : v) n += double(x) * x;
-  for (float& x : v) x = static_cast<float>(x / std::sqrt(n));
-  return v;
-}
 
 }  // namespace
 
@@ -256,11 +235,11 @@ TEST(LoraModel, GradientsMatchFiniteDifferencesForEveryTargetKind) {
         const std::string& n = p->name;
         const int64_t len = p->value.numel();
         if (max_abs(p->g(), len) == 0) continue;  // an expert without tokens
-        std::vector<float> along_g = unit(std::vector<float>(p->g(), p->g() + len));
+        std::vector<float> along_g = unit_vector(std::vector<float>(p->g(), p->g() + len));
         std::vector<float> random(static_cast<size_t>(len));
         for (float& x : random) x = rng.normal();
         EXPECT_LT(directional_error(loss, *p, along_g, 1e-2f), 1e-2) << n << " along g";
-        EXPECT_LT(directional_error(loss, *p, unit(random), 1e-2f), 1e-2) << n << " random";
+        EXPECT_LT(directional_error(loss, *p, unit_vector(random), 1e-2f), 1e-2) << n << " random";
         ++checked;
       }
       // 3 layers x 4-5 attention adapters, 3 MLP (dense or shared) adapters, 2 MoE layers x

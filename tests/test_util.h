@@ -21,6 +21,7 @@
 #include "core/rng.h"
 #include "core/simd.h"
 #include "core/tensor.h"
+#include "model/param.h"
 
 namespace moe::testing {
 
@@ -191,6 +192,30 @@ void expect_same_bits_on_every_target(F&& run) {
     EXPECT_EQ(std::memcmp(got.data(), first.data(), got.size() * sizeof(float)), 0)
         << simd::name(t) << " differs from " << simd::name(simd::supported().front());
   });
+}
+
+// Relative error of p's gradient along direction d against central differences of `loss`
+// (|fd - g·d| / |g|); p's values are restored.
+inline double directional_error(const std::function<double()>& loss, Param& p,
+                              const std::vector<float>& d, float eps) {
+  const int64_t n = p.value.numel();
+  std::vector<float> orig(p.w(), p.w() + n);
+  double gd = 0, gg = 0;
+  for (int64_t i = 0; i < n; ++i) gd += double(p.g()[i]) * d[i], gg += double(p.g()[i]) * p.g()[i];
+  auto at = [&](float t) {
+    for (int64_t i = 0; i < n; ++i) p.w()[i] = orig[i] + t * d[i];
+    return loss();
+  };
+  const double fd = (at(eps) - at(-eps)) / (2.0 * eps);
+  std::copy(orig.begin(), orig.end(), p.w());
+  return std::fabs(fd - gd) / std::sqrt(gg);
+}
+
+inline std::vector<float> unit_vector(std::vector<float> v) {
+  double n = 0;
+  for (float x : v) n += double(x) * x;
+  for (float& x : v) x = static_cast<float>(x / std::sqrt(n));
+  return v;
 }
 
 }  // namespace moe::testing

@@ -105,27 +105,6 @@ void pin_routing(DeepSeekV4Model& model) {
 
 // Directional derivative of `loss` along unit direction d over all of p's entries, by central
 // differences, against <g, d>; returns |fd - <g, d>| / |g|.
-double directional_error(const std::function<double()>& loss, Param& p,
-                         const std::vector<float>& d, float eps) {
-  const int64_t n = p.value.numel();
-  std::vector<float> orig(p.w(), p.w() + n);
-  double gd = 0, gg = 0;
-  for (int64_t i = 0; i < n; ++i) gd += double(p.g()[i]) * d[i], gg += double(p.g()[i]) * p.g()[i];
-  auto at = [&](float t) {
-    for (int64_t i = 0; i < n; ++i) p.w()[i] = orig[i] + t * d[i];
-    return loss();
-  };
-  const double fd = (at(eps) - at(-eps)) / (2.0 * eps);
-  std::copy(orig.begin(), orig.end(), p.w());
-  return std::fabs(fd - gd) / std::sqrt(gg);
-}
-
-std::vector<float> unit(std::vector<float> v) {
-  double n = 0;
-  for (float x : v) n += double(x) * x;
-  for (float& x : v) x = static_cast<float>(x / std::sqrt(n));
-  return v;
-}
 
 }  // namespace
 
@@ -298,8 +277,8 @@ TEST(V4Lora, GradientsMatchFiniteDifferencesForEveryTargetKind) {
       std::vector<float> random(static_cast<size_t>(len));
       for (float& x : random) x = rng.normal();
       const double along_g =
-          directional_error(loss, *p, unit(std::vector<float>(p->g(), p->g() + len)), 1e-2f);
-      const double along_random = directional_error(loss, *p, unit(random), 1e-2f);
+          directional_error(loss, *p, unit_vector(std::vector<float>(p->g(), p->g() + len)), 1e-2f);
+      const double along_random = directional_error(loss, *p, unit_vector(random), 1e-2f);
       EXPECT_LT(along_g, 1e-2) << n << " along g";
       EXPECT_LT(along_random, 1e-2) << n << " random";
       worst = std::max({worst, along_g, along_random});
