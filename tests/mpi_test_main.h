@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #ifdef __GLIBC__
@@ -40,6 +41,14 @@ inline int64_t rss_bytes() {
   while (std::getline(in, line))
     if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // "... kB"
   return -1;
+}
+
+// How many steps a memory proof runs: 1,000 unless MOE_MEMORY_STEPS says otherwise (the
+// sanitizer build runs fewer; each of its steps is slower, the check is the same).
+inline int memory_proof_steps() {
+  const char* env = std::getenv("MOE_MEMORY_STEPS");
+  const int n = env != nullptr ? std::atoi(env) : 0;
+  return n >= 20 ? n : 1000;
 }
 
 inline int64_t routing_bytes() { return MemoryTracker::instance().current(MemCategory::Routing); }

@@ -162,6 +162,7 @@ TEST(CachedDecoding, BatchedSequencesOfDifferentLengthsEqualEachAlone) {
     const Tensor l = model.forward_cached(tokens_of(ids), chunks, cache.layers());
     for (size_t i = 0; i < seqs.size(); ++i)
       batched[i].insert(batched[i].end(), l.f32() + i * V, l.f32() + (i + 1) * V);
+    if (step == 12) break;  // every token consumed
     ids.clear();
     for (size_t i = 0; i < seqs.size(); ++i) {
       chunks[i].past += chunks[i].count;

@@ -1,11 +1,13 @@
-// Memory stays flat under expert parallelism (issue 4's acceptance check, and issue 10's for a
-// LoRA fine-tune over MXFP4 experts): 300 training steps,
-// 300 evaluation forwards and 300 inference-mode forwards of the debug model at EP 2 (EP 1 when
-// the world size is odd, so it also runs as one plain process and at np 1; at np 4 it is EP 2
-// with two replicas, which exercises the replica gradient reduction).
+// Memory stays flat under expert parallelism (issue 4's acceptance check, issue 10's for a
+// LoRA fine-tune over MXFP4 experts, issue 14's at 1,000 steps): 1,000 training steps, 1,000
+// evaluation forwards and 1,000 inference-mode forwards of the debug DeepSeek-V3 and DeepSeek-V4
+// models, pretraining and LoRA over frozen MXFP4 experts, at EP 2 (EP 1 when the world size is
+// odd, so it also runs as one plain process and at np 1; at np 4 it is EP 2 with two replicas,
+// which exercises the replica gradient reduction). MOE_MEMORY_STEPS sets another count (the
+// sanitizer build runs fewer: its quarantine makes each step slower, not the check weaker).
 //
 // Per phase: after every iteration no routing bytes are tracked and no layer keeps saved state;
-// the tracked bytes (per category) after iteration 10 equal those after iteration 300. Steps
+// the tracked bytes (per category) after iteration 10 equal those after the last one. Steps
 // 1–10 are the warm-up: AdamW moments, MPI buffers and allocator pools settle there, so any
 // difference after that point is a per-step leak. Each rank has its own batch, so the
 // all-to-all exchanges are uneven, and the router biases move every training step, so the
@@ -17,8 +19,9 @@
 //
 // RSS (VmRSS) after the last inference forward is within 1% of RSS after training step 10: the
 // tracker sees only Tensor allocations, RSS also sees untracked ones (std::vector scratch in
-// the dispatcher, MPI internals). 1% of ~20 MB over 890 iterations catches any untracked leak
-// above ~230 bytes per iteration.
+// the dispatcher, MPI internals). 1% of ~20 MB over 2,990 iterations catches any untracked leak
+// above ~70 bytes per iteration. (Not under AddressSanitizer, whose quarantine holds freed
+// blocks resident by design; its LeakSanitizer checks the untracked heap instead.)
 //
 // Collectives must line up on every rank, so no ASSERT after the first collective; ctest's
 // TIMEOUT turns a hang into a failure.
@@ -37,7 +40,8 @@
 #include "parallel/communicator.h"
 #include "parallel/ep_training.h"
 #include "io/model_spec.h"
-#include "model/model.h"
+#include "model/causal_lm.h"
+#include "moe/moe_layer.h"
 #include "mpi_test_main.h"
 #include "test_util.h"
 #include "train/adamw.h"
@@ -47,8 +51,13 @@ using namespace moe::testing;
 
 namespace {
 
-constexpr int kIterations = 300;
 constexpr int kWarmup = 10;
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssIsMeaningful = false;
+#else
+constexpr bool kRssIsMeaningful = true;
+#endif
 constexpr double kRssGrowthLimit = 0.01;
 
 std::string by_category(const MemSnapshot& s) {
@@ -69,14 +78,14 @@ struct Phase {
   double seconds = 0;
 };
 
-// Runs `iteration` kIterations times (it returns false on a wrong result) and checks the
+// Runs `iteration` `count` times (it returns false on a wrong result) and checks the
 // model is clean after each.
-Phase run_phase(const char* name, const DeepSeekModel& model,
+Phase run_phase(const char* name, const CausalLM& model, int count,
                 const std::function<bool()>& iteration) {
   Phase p;
   p.name = name;
   const auto start = std::chrono::steady_clock::now();
-  for (int i = 1; i <= kIterations; ++i) {
+  for (int i = 1; i <= count; ++i) {
     p.finite = iteration() && p.finite;
     const bool clean = routing_bytes() == 0 && !model.has_saved();
     if (!clean && p.clean) p.first_dirty = i;
@@ -97,7 +106,7 @@ Phase run_phase(const char* name, const DeepSeekModel& model,
 // contraction of its adapter's weight gradient) can still rise after the warm-up. The buffers
 // are bounded by block sizes, not by steps: a rise of at most one packing panel is allowed,
 // everything else must be exact.
-void expect_flat(const Phase& p, bool workspace_may_grow = false) {
+void expect_flat(const Phase& p, int count, bool workspace_may_grow) {
   EXPECT_TRUE(p.clean) << p.name << ": routing bytes or saved state left after iteration "
                        << p.first_dirty;
   EXPECT_TRUE(p.finite) << p.name << ": non-finite loss";
@@ -108,19 +117,29 @@ void expect_flat(const Phase& p, bool workspace_may_grow = false) {
     warm.current[ws] = last.current[ws] = 0;
   }
   EXPECT_EQ(warm.total_current(), last.total_current())
-      << p.name << ": tracked bytes after iteration " << kWarmup << " vs " << kIterations;
+      << p.name << ": tracked bytes after iteration " << kWarmup << " vs " << count;
   EXPECT_EQ(warm.current, last.current)
       << p.name << " per category after iteration " << kWarmup << ": "
-      << by_category(p.after_warmup) << "\n  after iteration " << kIterations << ": "
+      << by_category(p.after_warmup) << "\n  after iteration " << count << ": "
       << by_category(p.after_last);
 }
 
-// lora: a LoRA fine-tune instead (MXFP4 experts frozen, adapters on every linear with
-// dropout, each step drawing new masks), the same checks.
-void flat_over_training_evaluation_and_inference(bool lora) {
+struct MemoryCase {
+  const char* name;
+  const char* preset;
+  // A LoRA fine-tune instead (MXFP4 experts frozen, adapters on every linear with dropout,
+  // each step drawing new masks), the same checks.
+  bool lora;
+};
+
+class DistMemory : public ::testing::TestWithParam<MemoryCase> {};
+
+TEST_P(DistMemory, FlatOverTrainingEvaluationAndInference) {
+  const bool lora = GetParam().lora;
+  const int iterations_per_phase = memory_proof_steps();
   const int W = g_world->size(), rank = g_world->rank();
   const int e = W % 2 == 0 ? 2 : 1;
-  ModelConfig cfg = resolve_model_config("debug");
+  ModelConfig cfg = resolve_model_config(GetParam().preset);
   if (lora) cfg.expert_format = "mxfp4";
   ASSERT_EQ(cfg.n_routed_experts % e, 0);  // same on every rank: no collective mismatch
   const BatchShape shape{2, 16};
@@ -128,7 +147,8 @@ void flat_over_training_evaluation_and_inference(bool lora) {
 
   const ExpertParallelGroups groups =
       make_expert_parallel_groups(g_world, e, cfg.n_routed_experts, "ep");
-  DeepSeekModel model(cfg, make_dispatcher(groups));
+  const std::unique_ptr<CausalLM> owned = make_causal_lm(cfg, make_dispatcher(groups));
+  CausalLM& model = *owned;
   model.init_weights(7);
   if (lora) {
     model.freeze_base();
@@ -149,7 +169,7 @@ void flat_over_training_evaluation_and_inference(bool lora) {
   bool released_by_backward = true;
   std::vector<int64_t> counts, last_counts;
   int routing_changes = 0;  // steps whose global per-expert counts differ from the step before
-  const Phase train = run_phase("train", model, [&]() {
+  const Phase train = run_phase("train", model, iterations_per_phase, [&]() {
     ++model.lora_runtime().draw;
     model.zero_grads();
     const LossResult r = model.forward(tokens, targets, shape, Pass::Train, opts);
@@ -168,23 +188,24 @@ void flat_over_training_evaluation_and_inference(bool lora) {
   });
   EXPECT_TRUE(released_by_backward) << "routing bytes left after backward";
   // The fixed batch must not mean a fixed routing: the exchange sizes should keep changing.
-  EXPECT_GT(routing_changes, kIterations / 2);
+  EXPECT_GT(routing_changes, iterations_per_phase / 2);
 
-  const Phase eval = run_phase("eval", model, [&]() {
+  const Phase eval = run_phase("eval", model, iterations_per_phase, [&]() {
     return std::isfinite(model.forward(tokens, targets, shape, Pass::Eval).total());
   });
-  const Phase infer = run_phase("inference", model, [&]() {
+  const Phase infer = run_phase("inference", model, iterations_per_phase, [&]() {
     const Tensor logits = model.logits(tokens, shape);
     bool finite = logits.numel() == shape.tokens() * vocab;
     for (int64_t j = 0; finite && j < logits.numel(); ++j) finite = std::isfinite(logits.f32()[j]);
     return finite;
   });
 
-  for (const Phase* p : {&train, &eval, &infer}) expect_flat(*p, lora);
+  for (const Phase* p : {&train, &eval, &infer}) expect_flat(*p, iterations_per_phase, lora);
   const int64_t rss0 = train.rss_after_warmup, rss1 = infer.rss_after_last;
   const double growth = static_cast<double>(rss1 - rss0) / static_cast<double>(rss0);
   EXPECT_GT(rss0, 0) << "no VmRSS in /proc/self/status";
-  EXPECT_LT(growth, kRssGrowthLimit) << "RSS " << rss0 << " -> " << rss1 << " bytes";
+  if (kRssIsMeaningful)
+    EXPECT_LT(growth, kRssGrowthLimit) << "RSS " << rss0 << " -> " << rss1 << " bytes";
 
   // Every rank's numbers, gathered for rank 0's log (also keeps the ranks in step).
   std::vector<int64_t> rss(static_cast<size_t>(2 * W), 0);
@@ -192,14 +213,15 @@ void flat_over_training_evaluation_and_inference(bool lora) {
   rss[static_cast<size_t>(2 * rank + 1)] = rss1;
   g_world->all_reduce_sum(rss.data(), static_cast<int64_t>(rss.size()));
   if (rank == 0) {
-    std::printf("[ %sEP %d x %d replicas ] batch %lldx%lld per rank, %d iterations per phase, "
-                "routing changed in %d of %d training steps\n", lora ? "LoRA, " : "", e, W / e,
+    std::printf("[ %s, %sEP %d x %d replicas ] batch %lldx%lld per rank, %d iterations per phase, "
+                "routing changed in %d of %d training steps\n", GetParam().preset,
+                lora ? "LoRA, " : "", e, W / e,
                 static_cast<long long>(shape.batch), static_cast<long long>(shape.seq),
-                kIterations, routing_changes, kIterations - 1);
+                iterations_per_phase, routing_changes, iterations_per_phase - 1);
     for (const Phase* p : {&train, &eval, &infer})
       std::printf("  %-9s %6.2f s  tracked after %d: %lld B, after %d: %lld B  (%s)\n", p->name,
                   p->seconds, kWarmup, static_cast<long long>(p->after_warmup.total_current()),
-                  kIterations, static_cast<long long>(p->after_last.total_current()),
+                  iterations_per_phase, static_cast<long long>(p->after_last.total_current()),
                   by_category(p->after_last).c_str());
     for (int r = 0; r < W; ++r) {
       const int64_t a = rss[static_cast<size_t>(2 * r)], b = rss[static_cast<size_t>(2 * r + 1)];
@@ -212,13 +234,12 @@ void flat_over_training_evaluation_and_inference(bool lora) {
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 
-TEST(DistMemory, FlatOverTrainingEvaluationAndInferenceAtEp2) {
-  flat_over_training_evaluation_and_inference(false);
-}
-
-TEST(DistMemory, LoraFineTuneFlatOverTrainingEvaluationAndInferenceAtEp2) {
-  flat_over_training_evaluation_and_inference(true);
-}
+INSTANTIATE_TEST_SUITE_P(
+    EveryFamily, DistMemory,
+    ::testing::Values(MemoryCase{"V3", "debug", false}, MemoryCase{"V3LoraOverMxfp4", "debug", true},
+                      MemoryCase{"V4", "debug-v4", false},
+                      MemoryCase{"V4LoraOverMxfp4", "debug-v4", true}),
+    [](const ::testing::TestParamInfo<MemoryCase>& info) { return std::string(info.param.name); });
 
 }  // namespace
 

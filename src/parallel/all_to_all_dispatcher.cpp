@@ -211,7 +211,9 @@ Tensor AllToAllDispatcher::row_token_keys(const Tensor& token_keys, const Handle
   // The rows travel as 4-byte floats; the exchange copies bits, so the integers arrive intact.
   const Tensor moved = to_experts(reinterpret_cast<const float*>(token_keys.i32()), 1, handle, s);
   Tensor out = Tensor::empty({handle.rows()}, DType::I32, MemCategory::Routing);
-  std::memcpy(out.raw(), moved.raw(), static_cast<size_t>(handle.rows()) * sizeof(int32_t));
+  // A rank whose experts received no rows holds empty (null) buffers: nothing to copy.
+  if (handle.rows() > 0)
+    std::memcpy(out.raw(), moved.raw(), static_cast<size_t>(handle.rows()) * sizeof(int32_t));
   return out;
 }
 
