@@ -42,10 +42,7 @@ void serve(bool chat, std::string_view body) {
   std::vector<int32_t> prompt;
   try {
     if (chat) {
-      std::vector<ChatMessage> messages;
-      for (const auto& m : p.messages)
-        messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-      prompt = chat_generation_prompt(messages, tokenizer(), chat_template());
+      prompt = chat_generation_prompt(chat_messages(p), tokenizer(), chat_template());
     } else {
       tokenizer().encode(p.prompt, prompt);
     }
