@@ -11,6 +11,7 @@
 // Collectives must line up on every rank: no ASSERT between collectives.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/memory.h"
@@ -405,6 +407,32 @@ TEST(DistTrain, ParallelSettingsAreCheckedOnEveryRank) {
     const std::string e = error_for({{"data.batch_size", std::to_string(w + 1)}});
     EXPECT_NE(e.find("data.batch_size"), std::string::npos) << e;
   }
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+}
+
+// The collective watchdog (parallel.collective_timeout) times waits inside collectives, but not
+// the barriers around a checkpoint write: rank 0 writing for longer than the limit while the
+// others wait is slow storage, not a stall. (tests/fault_drills.sh stall: a real stall ends the
+// job.) Under the exemption's failure the waiting ranks _Exit(1) and the test binary fails.
+TEST(DistTrain, ASlowCheckpointWriteIsNotAStall) {
+  const fs::path dir = shared_dir("slow_write");
+  TrainRequest req;
+  req.config = tiny_config(dir, 2, dir / "run",
+                           {{"parallel.ep", std::to_string(g_world->size())},
+                            {"parallel.collective_timeout", "1"},
+                            {"checkpoint.every", "1"},
+                            {"logging.val_every", "0"}});
+  req.world = g_world;
+  bool slowed = false;
+  // Called on rank 0 only, as it writes the first checkpoint's trainer.json.
+  req.hooks.checkpoint_file = [&](const std::string& file) {
+    if (file != kTrainerStateFile || slowed) return;
+    slowed = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  };
+  const TrainResult r = train(req);
+  EXPECT_EQ(r.steps_done, 2);
+  EXPECT_EQ(slowed, g_world->rank() == 0);
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "core/rng.h"
 #include "data/bpe.h"
 #include "data/bpe_trainer.h"
@@ -363,6 +364,24 @@ TEST(HfTokenizer, ErrorsNameTheFileAndField) {
   fs::remove(dir / "tokenizer_config.json");
   EXPECT_NE(moe::testing::error_of([&] { HfTokenizer::load(dir / "missing.json"); }).find("missing.json"),
             std::string::npos);
+}
+
+// Found by tests/fuzz/fuzz_tokenizer: the id tables are sized by the largest id, so one token with
+// id 2^31 - 1 asked for 128 GiB (std::bad_alloc, or the OOM killer); and a deeply nested value
+// overflowed the stack when the error message printed it.
+TEST(HfTokenizer, HugeIdsAndDeepNestingAreErrors) {
+  constexpr int64_t kTableBytes = (int64_t{INT32_MAX} + 1) * 2 * sizeof(std::string);
+  if (max_load_bytes() >= kTableBytes) GTEST_SKIP() << "this machine could hold the tables";
+  const std::string e = moe::testing::error_of([] {
+    HfTokenizer::from_json(R"({"model": {"type": "BPE", "vocab": {"a": 2147483647}, "merges": []}})", "big.json");
+  });
+  EXPECT_NE(e.find("big.json: the id tables up to id 2147483647"), std::string::npos) << e;
+  EXPECT_NE(e.find(kMaxLoadBytesEnv), std::string::npos) << e;
+  const std::string deep(100000, '[');
+  const std::string nested = moe::testing::error_of([&] {
+    HfTokenizer::from_json(R"({"model": )" + deep + std::string(deep.size(), ']') + "}", "deep.json");
+  });
+  EXPECT_NE(nested.find("deep.json: JSON nested more than 64 levels deep"), std::string::npos) << nested;
 }
 
 TEST(HfTokenizer, EncodesMegabytesOfEnglishPerSecond) {

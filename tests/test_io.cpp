@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "core/rng.h"
 #include "core/tensor.h"
 #include "io/atomic_file.h"
@@ -384,6 +385,16 @@ TEST(SafetensorsSet, FindsTensorsAcrossShardsAndNamesBrokenLayouts) {
   EXPECT_EQ(single.names(), std::vector<std::string>{"only"});
 }
 
+// Found by tests/fuzz/fuzz_safetensors_index: a deeply nested index overflowed the stack when an
+// error message printed the offending value.
+TEST(SafetensorsSet, DeeplyNestedIndexIsAnError) {
+  const fs::path dir = scratch_dir();
+  const std::string deep(100000, '[');
+  write_raw(dir / kSafetensorsIndexFile, R"({"weight_map": {"w": )" + deep + std::string(deep.size(), ']') + "}}");
+  expect_error([&] { SafetensorsSet set(dir); }, {kSafetensorsIndexFile, "nested more than 64"});
+  expect_error([&] { read_safetensors_index(dir); }, {kSafetensorsIndexFile, "nested more than 64"});
+}
+
 // ---------------------------------------------------------------------------------------------
 // config.json
 
@@ -615,6 +626,43 @@ TEST(HfConfig, FilesAreReadWrittenAndNamedInErrors) {
   j["vocab_size"] = -3;
   write_raw(dir / "config.json", j.dump());
   expect_error([&] { read_hf_config(dir); }, {(dir / "config.json").string(), "vocab_size"});
+}
+
+// Found by tests/fuzz/fuzz_model_config: sizes multiplied into parameter counts overflowed (and
+// a layer count near 2^63 looped for ever), and a deeply nested field value overflowed the stack
+// when the error message printed it.
+TEST(HfConfig, HugeSizesAndDeepNestingAreErrorsNotOverflows) {
+  auto rejects = [](std::initializer_list<std::pair<const char*, json>> fields,
+                    std::initializer_list<std::string> needles) {
+    json j = tiny_config_json();
+    for (const auto& [field, value] : fields) j[field] = value;
+    expect_error([&] { parse_hf_config(j, "big/config.json"); }, needles);
+  };
+  rejects({{"vocab_size", int64_t{1} << 40}}, {"big/config.json", "vocab_size", "16777216"});
+  rejects({{"num_hidden_layers", std::numeric_limits<int64_t>::max()}},
+          {"num_hidden_layers", "at most 4096"});
+  rejects({{"n_shared_experts", int64_t{1} << 30}}, {"n_shared_experts", "[0, 16777216]"});
+  rejects({{"hidden_size", 1 << 24}, {"intermediate_size", 1 << 24}, {"num_hidden_layers", 1 << 12},
+           {"first_k_dense_replace", 1 << 12}},
+          {"big/config.json", "parameters", "2^56"});
+  rejects({{"rope_theta", std::numeric_limits<double>::infinity()}}, {"rope_theta", "finite"});
+
+  const fs::path dir = scratch_dir();
+  const std::string deep(100000, '[');
+  write_raw(dir / "config.json", R"({"model_type": )" + deep + std::string(deep.size(), ']') + "}");
+  expect_error([&] { read_hf_config(dir); }, {(dir / "config.json").string(), "nested more than 64"});
+  json j = tiny_config_json();
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, int64_t{1} << 40}}};
+  expect_error([&] { parse_hf_weights_info(j, "big/config.json"); }, {"weight_block_size", "2^24"});
+}
+
+TEST(LoadCap, SizesAboveTheCapAndOverflowingProductsNameTheFileAndField) {
+  expect_error([] { check_load_bytes("model/x.safetensors", "tensor 'w'", std::numeric_limits<int64_t>::max()); },
+               {"model/x.safetensors", "tensor 'w'", "more than one load may allocate", kMaxLoadBytesEnv});
+  expect_error([] { checked_size_product(int64_t{1} << 40, int64_t{1} << 40, "f.json", "ids"); },
+               {"f.json", "ids", "64 bits"});
+  EXPECT_EQ(checked_size_product(3, 5, "f", "x"), 15);
+  EXPECT_GT(max_load_bytes(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------

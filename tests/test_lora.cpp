@@ -497,6 +497,44 @@ TEST(PeftAdapter, ConfigRoundTripAndUnsupportedFeaturesAreErrors) {
   EXPECT_EQ(err("lora_bias", false), "(no error)");
 }
 
+// Found by tests/fuzz/fuzz_adapter_config: a float where a rank belongs (r, rank_pattern) was
+// cast to an integer, undefined beyond int64's range.
+TEST(PeftAdapter, RanksOutOfRangeAreErrorsNotCasts) {
+  const nlohmann::json good = {{"r", 4}, {"lora_alpha", 8.0}, {"target_modules", "all-linear"}};
+  auto err = [&](const char* key, const nlohmann::json& value) {
+    nlohmann::json bad = good;
+    bad[key] = value;
+    return error_of([&] { lora_settings_from_peft(bad, "adapter_config.json"); });
+  };
+  EXPECT_NE(err("r", 1e300).find("field 'r': expected an integer"), std::string::npos);
+  EXPECT_NE(err("r", int64_t{1} << 40).find("[1, 65536]"), std::string::npos);
+  EXPECT_NE(err("rank_pattern", {{kExpertRankPattern, 1e300}}).find("rank_pattern"), std::string::npos);
+  EXPECT_NE(err("rank_pattern", {{kExpertRankPattern, 2.5}}).find("integer rank"), std::string::npos);
+  EXPECT_EQ(lora_settings_from_peft(good, "x").r, 4);
+}
+
+// Found by tests/fuzz/fuzz_train_config and fuzz_adapter_config: libstdc++'s std::regex read the
+// back-reference \2222222222222222222 into a long and overflowed (UBSan), and matched ".**x" by
+// backtracking for ever. Target regexes now run on PCRE2 with a match limit.
+TEST(LoraSettings, TargetRegexWithBadNumbersOrRunawayBacktrackingIsAnError) {
+  LoraSettings s;
+  auto err = [&](const std::string& regex) {
+    s.target_regex = regex;
+    return error_of([&] { s.validate("lora"); });
+  };
+  EXPECT_EQ(err(R"(.*\2222222222222222222)"), "(no error)");  // PCRE2: an octal escape, then digits
+  EXPECT_NE(err("a{99999999999999999999}").find("is not a regular expression"), std::string::npos);
+  EXPECT_NE(err(std::string(2000, 'a')).find("at most 1024"), std::string::npos);
+  EXPECT_EQ(err(R"(model\.layers\.\d{1,3}\.self_attn\.(q_a_proj|o_proj))"), "(no error)");
+  LoraTargetMatcher matcher(s);
+  EXPECT_TRUE(matcher.matches("model.layers.12.self_attn.o_proj"));
+  EXPECT_FALSE(matcher.matches("model.layers.12.mlp.gate_proj"));
+  s.target_regex = "(.*)*(.*)*(.*)*(.*)*s";
+  LoraTargetMatcher runaway(s);
+  EXPECT_NE(error_of([&] { runaway.matches("model.layers.12.self_attn.kv_a_proj_with_mqa"); }).find("backtracks"),
+            std::string::npos);
+}
+
 TEST(PeftAdapter, SavedAdapterLoadsBackAndForeignTensorsAreErrors) {
   const std::filesystem::path dir = scratch_dir("test_lora_tmp");
   LoraModel m(lora_config(true, "mxfp4"));

@@ -24,6 +24,7 @@ struct TrainArgs {
   ConfigPurpose purpose = ConfigPurpose::Pretrain;
   std::string config_file;
   int64_t ep = 0;  // 0: not given
+  int64_t collective_timeout = -1;  // -1: not given
   std::string resume;  // "" with resume_given: the latest checkpoint of the out dir
   bool resume_given = false;
 };
@@ -41,6 +42,8 @@ fs::path resolve_checkpoint(const fs::path& path) {
 void run_train(const TrainArgs& a, const std::vector<std::string>& extras) {
   std::vector<ConfigOverride> overrides = parse_override_args(extras);
   if (a.ep > 0) overrides.push_back({"parallel.ep", std::to_string(a.ep)});
+  if (a.collective_timeout >= 0)
+    overrides.push_back({"parallel.collective_timeout", std::to_string(a.collective_timeout)});
   const bool ep_given = std::any_of(overrides.begin(), overrides.end(),
                                     [](const ConfigOverride& o) { return o.key == "parallel.ep"; });
   TrainRequest req;
@@ -76,8 +79,16 @@ void run_train(const TrainArgs& a, const std::vector<std::string>& extras) {
       req.resume_from = *latest;
     }
   }
+  const TrainResult result = train(req);
   // 130 = killed by SIGINT, by shell convention: scripts see the run did not finish.
-  if (train(req).interrupted) throw CLI::RuntimeError(130);
+  if (result.interrupted) {
+    // Under mpirun the launcher reports one status for the job (after SIGTERM, its own), so
+    // every rank says how it ended.
+    if (req.world->size() > 1)
+      fmt::print(stderr, "rank {}: interrupted after step {}; checkpoint {}; exit 130\n",
+                 req.world->rank(), result.steps_done, result.last_checkpoint.string());
+    throw CLI::RuntimeError(130);
+  }
 }
 
 void add_run_options(CLI::App* cmd, const std::shared_ptr<TrainArgs>& args, const char* example) {
@@ -90,6 +101,10 @@ void add_run_options(CLI::App* cmd, const std::shared_ptr<TrainArgs>& args, cons
                   "expert-parallel size under mpirun (same as --parallel.ep): must divide the "
                   "number of ranks and of routed experts")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--collective-timeout", args->collective_timeout,
+                  "under mpirun, seconds a rank may wait in one collective before the job is "
+                  "ended as stalled (same as --parallel.collective_timeout; default 600, 0: never)")
+      ->check(CLI::NonNegativeNumber);
   cmd->allow_extras();
   cmd->callback([args, cmd] {
     args->resume_given = cmd->count("--resume") > 0;

@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -24,6 +25,10 @@ int default_threads() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A file growing past `ulimit -f` raises SIGXFSZ, whose default action kills the process
+  // with no word of which file; ignored, the write fails with EFBIG instead, and the writer
+  // reports it like any other I/O error (naming the file, the previous checkpoint untouched).
+  std::signal(SIGXFSZ, SIG_IGN);
   // Before any thread exists (MPI_THREAD_FUNNELED); only under mpirun, so one process needs no MPI.
   std::optional<moe::MpiRuntime> mpi;
   if (moe::MpiRuntime::launched_by_mpirun()) mpi.emplace(&argc, &argv);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/limits.h"
 
 namespace moe {
 
@@ -2584,12 +2585,12 @@ const std::string& ChatTemplate::bos_token() const { return impl_->bos_token; }
 const std::string& ChatTemplate::eos_token() const { return impl_->eos_token; }
 
 std::optional<ChatTemplate> load_chat_template(const std::filesystem::path& tokenizer_config) {
-  std::ifstream in(tokenizer_config, std::ios::binary);
-  if (!in.good()) return std::nullopt;
-  std::stringstream text;
-  text << in.rdbuf();
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(tokenizer_config, ec)) return std::nullopt;
   const std::string file = tokenizer_config.string();
-  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j =
+      nlohmann::json::parse(read_text_file_capped(tokenizer_config, "the tokenizer config"),
+                            json_depth_limit<nlohmann::json>(file), /*allow_exceptions=*/false);
   MOE_CHECK(!j.is_discarded(), "{}: not valid JSON", file);
   MOE_CHECK(j.is_object(), "{}: expected a JSON object, got {}", file, j.type_name());
   const auto it = j.find("chat_template");

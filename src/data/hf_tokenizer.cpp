@@ -15,6 +15,7 @@
 #include <cctype>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "data/byte_level.h"
 #include "data/documents.h"
 #include "data/tokenizer_text.h"
@@ -862,17 +863,17 @@ HfTokenizer& HfTokenizer::operator=(HfTokenizer&&) noexcept = default;
 HfTokenizer HfTokenizer::load(const std::filesystem::path& path) {
   std::filesystem::path file = path;
   if (std::filesystem::is_directory(file)) file /= "tokenizer.json";
-  const std::string text = read_whole_file(file);
+  const std::string text = read_text_file_capped(file, "the tokenizer");
   const std::filesystem::path config = file.parent_path() / "tokenizer_config.json";
   std::string config_text;
-  if (std::filesystem::is_regular_file(config)) config_text = read_whole_file(config);
+  if (std::filesystem::is_regular_file(config)) config_text = read_text_file_capped(config, "the tokenizer config");
   return from_json(text, file.string(), config_text, config.string());
 }
 
 HfTokenizer HfTokenizer::from_json(const std::string& tokenizer_json, const std::string& source,
                                    const std::string& config_json, const std::string& config_source) {
-  return from_parsed(json::parse(tokenizer_json, nullptr, /*allow_exceptions=*/false), source, config_json,
-                     config_source);
+  return from_parsed(json::parse(tokenizer_json, json_depth_limit<json>(source), /*allow_exceptions=*/false),
+                     source, config_json, config_source);
 }
 
 HfTokenizer HfTokenizer::from_parsed(const json& j, const std::string& source, const std::string& config_json,
@@ -984,6 +985,10 @@ HfTokenizer HfTokenizer::from_parsed(const json& j, const std::string& source, c
   }
 
   // ---- id tables
+  // Both tables are indexed by id, so their size follows the largest id, not the number of
+  // tokens: one token with id 2^31 - 1 would make them 128 GiB.
+  check_load_bytes(source, fmt::format("the id tables up to id {}", max_id),
+                   (max_id + 1) * static_cast<int64_t>(2 * sizeof(std::string)));
   impl->size = max_id + 1;
   impl->token_of.assign(static_cast<size_t>(impl->size), std::string());
   for (const auto& [id, token] : model_token) impl->token_of[static_cast<size_t>(id)] = token;
@@ -1002,7 +1007,7 @@ HfTokenizer HfTokenizer::from_parsed(const json& j, const std::string& source, c
   std::optional<bool> add_bos, add_eos;
   if (!config_json.empty()) {
     const Reader cr{config_source};
-    const json c = json::parse(config_json, nullptr, false);
+    const json c = json::parse(config_json, json_depth_limit<json>(config_source), false);
     if (!c.is_object()) fail("{}: not a JSON object (expected a Hugging Face tokenizer_config.json)", config_source);
     impl->bos_token = config_token_text(Reader::at(c, "bos_token"));
     impl->eos_token = config_token_text(Reader::at(c, "eos_token"));

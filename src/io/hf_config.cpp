@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "io/atomic_file.h"
 
 namespace moe {
@@ -343,10 +344,15 @@ HfWeightsInfo parse_hf_weights_info(const json& j, const std::string& source) {
   if (const std::string fmt = qf.string_or("fmt", "e4m3"); fmt != "e4m3")
     qf.bad_value("fmt", "\"e4m3\" (F8_E4M3 weights, as DeepSeek publishes them)", json(fmt));
   if (const json* b = qf.get("weight_block_size")) {
-    const bool ok = b->is_array() && b->size() == 2 && (*b)[0].is_number_integer() &&
-                    (*b)[1].is_number_integer() && (*b)[0].get<int64_t>() > 0 &&
-                    (*b)[1].get<int64_t>() > 0;
-    if (!ok) qf.wrong_type("weight_block_size", "two positive integers [rows, columns]", *b);
+    // Bounded like the model's sizes (model/config.cpp): block counts are rounded-up divisions.
+    constexpr int64_t kMaxBlock = int64_t{1} << 24;
+    // (An unsigned value above 2^63 reads back negative.)
+    const auto in_range = [](const json& v) {
+      return v.is_number_integer() && v.get<int64_t>() > 0 && v.get<int64_t>() <= kMaxBlock;
+    };
+    const bool ok = b->is_array() && b->size() == 2 && in_range((*b)[0]) && in_range((*b)[1]);
+    if (!ok)
+      qf.wrong_type("weight_block_size", "two positive integers [rows, columns] of at most 2^24", *b);
     w.fp8_block_rows = (*b)[0].get<int64_t>();
     w.fp8_block_cols = (*b)[1].get<int64_t>();
   }
@@ -379,12 +385,9 @@ int64_t HfWeightsInfo::mtp_layer_of(const std::string& name) const {
 namespace {
 
 json read_config_json(const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  MOE_CHECK(in.good(), "{}: cannot open the model config", file.string());
-  std::stringstream text;
-  text << in.rdbuf();
+  const std::string text = read_text_file_capped(file, "the model config");
   try {
-    return json::parse(text.str());
+    return json::parse(text, json_depth_limit<json>(file.string()));
   } catch (const json::exception& ex) {
     fail("{}: not valid JSON: {}", file.string(), ex.what());
   }

@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "io/atomic_file.h"
 
 namespace moe {
@@ -182,6 +183,8 @@ void SafetensorsReader::parse_header() {
   MOE_CHECK(header_len <= static_cast<uint64_t>(file_size_ - 8),
             "{}: header length {} runs past the end of the file ({} bytes)", file, header_len,
             file_size_);
+  check_load_bytes(file, fmt::format("parsing its {}-byte header", header_len),
+                   static_cast<int64_t>(header_len) * kParsedBytesPerTextByte);
   data_start_ = 8 + static_cast<int64_t>(header_len);
 
   std::string text(header_len, '\0');
@@ -192,6 +195,8 @@ void SafetensorsReader::parse_header() {
   std::set<std::string> seen;
   std::string duplicate;
   auto note_keys = [&](int depth, json::parse_event_t event, json& parsed) {
+    MOE_CHECK(depth <= kMaxJsonFileDepth, "{}: header nested more than {} levels deep", file,
+              kMaxJsonFileDepth);
     if (depth == 1 && event == json::parse_event_t::key && duplicate.empty() &&
         !seen.insert(parsed.get<std::string>()).second)
       duplicate = parsed.get<std::string>();
@@ -261,7 +266,14 @@ void SafetensorsReader::read_bytes(const SafetensorsEntry& e, int64_t offset, in
 }
 
 Tensor SafetensorsReader::read(std::string_view name, DType want, MemCategory category) const {
-  Tensor t = Tensor::empty(entry(name).shape, want, category);
+  const SafetensorsEntry& e = entry(name);
+  // The shape's element count was checked against the file's bytes when the header was read;
+  // a conversion may still widen it (BF16 -> F32).
+  check_load_bytes(path_.string(), fmt::format("tensor '{}' ({} {} as {})", e.name, e.dtype,
+                                               shape_str(e.shape), dtype_name(want)),
+                   checked_size_product(shape_numel(e.shape), dtype_size(want), path_.string(),
+                                        fmt::format("tensor '{}'", e.name)));
+  Tensor t = Tensor::empty(e.shape, want, category);
   read_into(name, t);
   return t;
 }
@@ -492,13 +504,10 @@ SafetensorsSet::SafetensorsSet(std::filesystem::path dir) : dir_(std::move(dir))
   }
   sharded_ = true;
   const std::string index_name = index.string();
-  std::ifstream in(index, std::ios::binary);
-  MOE_CHECK(in.good(), "{}: cannot open: {}", index_name, errno_text());
-  std::stringstream text;
-  text << in.rdbuf();
+  const std::string text = read_text_file_capped(index, "the weights index");
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(text.str());
+    j = nlohmann::json::parse(text, json_depth_limit<nlohmann::json>(index_name));
   } catch (const nlohmann::json::exception& ex) {
     fail("{}: not valid JSON: {}", index_name, ex.what());
   }
@@ -550,13 +559,10 @@ SafetensorsIndex read_safetensors_index(const std::filesystem::path& dir) {
          kSafetensorsIndexFile);
   }
   out.sharded = true;
-  std::ifstream in(index, std::ios::binary);
-  MOE_CHECK(in.good(), "{}: cannot open: {}", index.string(), errno_text());
-  std::stringstream text;
-  text << in.rdbuf();
+  const std::string text = read_text_file_capped(index, "the weights index");
   nlohmann::ordered_json j;
   try {
-    j = nlohmann::ordered_json::parse(text.str());
+    j = nlohmann::ordered_json::parse(text, json_depth_limit<nlohmann::ordered_json>(index.string()));
   } catch (const nlohmann::ordered_json::exception& ex) {
     fail("{}: not valid JSON: {}", index.string(), ex.what());
   }

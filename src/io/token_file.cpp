@@ -6,12 +6,21 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/limits.h"
 
 namespace moe {
 
 TokenBatch read_token_file(const std::filesystem::path& path) {
   std::ifstream in(path);
   MOE_CHECK(in.good(), "{}: cannot open token file", path.string());
+  // Per byte of text at most: the line being read (1), the ids of one id per two bytes at 4 bytes
+  // each with the list's growth room (4), then the tensor (2).
+  std::error_code ec;
+  const auto file_bytes = std::filesystem::file_size(path, ec);
+  if (!ec)
+    check_load_bytes(path.string(), fmt::format("the ids of this {}-byte file", file_bytes),
+                     checked_size_product(static_cast<int64_t>(file_bytes), 7, path.string(),
+                                          "file size"));
   std::vector<int32_t> ids;
   int64_t batch = 0, seq = -1, line_no = 0, first_line = 0;
   std::string line;

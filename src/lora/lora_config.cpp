@@ -1,11 +1,68 @@
 #include "lora/lora_config.h"
 
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
 #include <cmath>
-#include <regex>
+#include <memory>
 
 #include "core/error.h"
 
 namespace moe {
+
+namespace {
+
+constexpr size_t kMaxTargetRegexBytes = 1024;
+// Backtracking steps one module name may cost: a name is under ~60 bytes, so a sensible pattern
+// needs a few hundred; ".*.*.*...x" needs exponentially many.
+constexpr uint32_t kRegexMatchLimit = 100000;
+
+struct RegexDeleter {
+  void operator()(pcre2_code* code) const { pcre2_code_free(code); }
+  void operator()(pcre2_match_data* data) const { pcre2_match_data_free(data); }
+  void operator()(pcre2_match_context* context) const { pcre2_match_context_free(context); }
+};
+using Regex = std::unique_ptr<pcre2_code, RegexDeleter>;
+
+// PEFT matches a string target_modules with Python's re.fullmatch. PCRE2 speaks that dialect
+// (std::regex's ECMAScript does not quite), checks the numbers in a pattern (libstdc++'s parser
+// overflowed on a back-reference such as \2222222222222222222), and its match limit turns
+// exponential backtracking into an error instead of a hang.
+Regex compile_target_regex(const std::string& pattern, const std::string& section) {
+  MOE_CHECK(pattern.size() <= kMaxTargetRegexBytes,
+            "{}.target_regex: {} bytes; a module-name pattern may have at most {}", section,
+            pattern.size(), kMaxTargetRegexBytes);
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  Regex code(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), 0, &error,
+                           &offset, nullptr));
+  if (!code) {
+    PCRE2_UCHAR message[256];
+    pcre2_get_error_message(error, message, sizeof(message));
+    fail("{}.target_regex: \"{}\" is not a regular expression: {} at offset {}", section, pattern,
+         reinterpret_cast<const char*>(message), offset);
+  }
+  return code;
+}
+
+bool full_match(const std::string& pattern, const std::string& name) {
+  const Regex code = compile_target_regex(pattern, "lora");
+  const std::unique_ptr<pcre2_match_data, RegexDeleter> data(
+      pcre2_match_data_create_from_pattern(code.get(), nullptr));
+  const std::unique_ptr<pcre2_match_context, RegexDeleter> context(pcre2_match_context_create(nullptr));
+  pcre2_set_match_limit(context.get(), kRegexMatchLimit);
+  pcre2_set_depth_limit(context.get(), kRegexMatchLimit);
+  const int rc = pcre2_match(code.get(), reinterpret_cast<PCRE2_SPTR>(name.data()), name.size(), 0,
+                             PCRE2_ANCHORED | PCRE2_ENDANCHORED, data.get(), context.get());
+  MOE_CHECK(rc >= 0 || rc == PCRE2_ERROR_NOMATCH,
+            "target_regex \"{}\": matching module '{}' {}", pattern, name,
+            rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT
+                ? fmt::format("backtracks more than {} steps (nested repeats such as (.*)*?)", kRegexMatchLimit)
+                : fmt::format("failed (PCRE2 error {})", rc));
+  return rc >= 0;
+}
+
+}  // namespace
 
 LoraShape LoraSettings::shape_for(bool routed_expert) const {
   const double rank = static_cast<double>(rank_for(routed_expert));
@@ -18,9 +75,11 @@ LoraShape LoraSettings::shape_for(bool routed_expert) const {
 }
 
 void LoraSettings::validate(const std::string& section) const {
-  MOE_CHECK(r >= 1, "{}.r = {}: the LoRA rank must be at least 1", section, r);
-  MOE_CHECK(expert_r >= 0, "{}.expert_r = {}: expected 0 (same as r) or a rank >= 1", section,
-            expert_r);
+  MOE_CHECK(r >= 1 && r <= kMaxLoraRank, "{}.r = {}: the LoRA rank must be in [1, {}]", section,
+            r, kMaxLoraRank);
+  MOE_CHECK(expert_r >= 0 && expert_r <= kMaxLoraRank,
+            "{}.expert_r = {}: expected 0 (same as r) or a rank in [1, {}]", section, expert_r,
+            kMaxLoraRank);
   MOE_CHECK(std::isfinite(alpha) && alpha > 0, "{}.alpha = {}: expected a positive number",
             section, alpha);
   MOE_CHECK(std::isfinite(expert_alpha) && expert_alpha >= 0,
@@ -39,14 +98,7 @@ void LoraSettings::validate(const std::string& section) const {
     MOE_CHECK(!t.empty() && t.front() != '.' && t.back() != '.',
               "{}.target_parameters: \"{}\" is not a parameter name (expected e.g. "
               "\"mlp.experts.gate_up_proj\")", section, t);
-  if (!target_regex.empty()) {
-    try {
-      std::regex re(target_regex);
-    } catch (const std::regex_error& e) {
-      fail("{}.target_regex: \"{}\" is not a regular expression: {}", section, target_regex,
-           e.what());
-    }
-  }
+  if (!target_regex.empty()) compile_target_regex(target_regex, section);
 }
 
 LoraTargetMatcher::LoraTargetMatcher(const LoraSettings& settings)
@@ -75,7 +127,7 @@ bool target_selects(const std::string& target, const std::string& name) {
 
 bool LoraTargetMatcher::matches(const std::string& module) {
   if (!s_.target_regex.empty()) {
-    const bool hit = std::regex_match(module, std::regex(s_.target_regex));
+    const bool hit = full_match(s_.target_regex, module);
     regex_used_ |= hit;
     return hit;
   }
@@ -96,7 +148,7 @@ bool LoraTargetMatcher::matches_parameter(const std::string& parameter) {
 }
 
 bool LoraTargetMatcher::names(const std::string& module) const {
-  if (!s_.target_regex.empty()) return std::regex_match(module, std::regex(s_.target_regex));
+  if (!s_.target_regex.empty()) return full_match(s_.target_regex, module);
   for (const std::string& t : s_.targets)
     if (t != "all-linear" && target_selects(t, module)) return true;
   return false;

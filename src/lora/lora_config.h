@@ -11,6 +11,10 @@
 
 namespace moe {
 
+// Adapter matrices are rank x width: far above any rank in use, the bound keeps their sizes
+// (and a file's rank_pattern) from overflowing.
+inline constexpr int64_t kMaxLoraRank = int64_t{1} << 16;
+
 struct LoraSettings {
   int64_t r = 8;
   double alpha = 16.0;

@@ -10,13 +10,33 @@ namespace moe {
 
 namespace {
 
+// Sizes from config.json multiply into parameter counts, FLOPs, memory plans and tensor shapes.
+// Each is bounded far above any release (DeepSeek-V3: vocabulary 129,280, 61 layers) so that a
+// product of a few fits in 128 bits; the model's total then bounds every product inside 64.
+constexpr int64_t kMaxConfigSize = int64_t{1} << 24;
+constexpr int64_t kMaxConfigLayers = int64_t{1} << 12;
+constexpr int64_t kMaxConfigParams = int64_t{1} << 56;
+
+// The bounds above, then the total parameter count (defined below, beside the count).
+void check_sizes(const ModelConfig& c, const std::string& source);
+
 // The checks V2/V3 and V4 configs share: norms, RoPE / YaRN and the SwiGLU clamp.
 void check_norm_rope_and_clamp(const ModelConfig& c, const std::string& source) {
-  MOE_CHECK(c.rms_norm_eps > 0, "{}: field 'rms_norm_eps' must be > 0", source);
+  MOE_CHECK(c.rms_norm_eps > 0 && std::isfinite(c.rms_norm_eps),
+            "{}: field 'rms_norm_eps' must be a finite number > 0, got {}", source, c.rms_norm_eps);
+  for (const auto& [field, v] : {std::pair<const char*, double>{"routed_scaling_factor", c.routed_scaling_factor},
+                                 {"aux_loss_alpha", c.aux_loss_alpha},
+                                 {"rope_scaling.factor", c.rope_scaling.factor},
+                                 {"rope_scaling.beta_fast", c.rope_scaling.beta_fast},
+                                 {"rope_scaling.beta_slow", c.rope_scaling.beta_slow},
+                                 {"rope_scaling.mscale", c.rope_scaling.mscale},
+                                 {"rope_scaling.mscale_all_dim", c.rope_scaling.mscale_all_dim}})
+    MOE_CHECK(std::isfinite(v), "{}: field '{}' must be a finite number, got {}", source, field, v);
   MOE_CHECK(c.swiglu_limit >= 0 && std::isfinite(c.swiglu_limit),
             "{}: field 'swiglu_limit' must be a finite number >= 0 (0 = no clamp), got {}", source,
             c.swiglu_limit);
-  MOE_CHECK(c.rope_theta > 0, "{}: field 'rope_theta' must be > 0", source);
+  MOE_CHECK(c.rope_theta > 0 && std::isfinite(c.rope_theta),
+            "{}: field 'rope_theta' must be a finite number > 0, got {}", source, c.rope_theta);
   MOE_CHECK(c.rope_scaling.type.empty() || c.rope_scaling.type == "yarn",
             "{}: field 'rope_scaling.type' must be \"yarn\" or absent, got \"{}\"", source,
             c.rope_scaling.type);
@@ -40,6 +60,10 @@ void ModelConfig::validate(const std::string& source) const {
   MOE_CHECK(quantization_simulation == "none" || quantization_simulation == "reference",
             "{}: field 'quantization_simulation' must be \"none\" or \"reference\", got \"{}\"",
             source, quantization_simulation);
+  // Before anything adds to or loops over the layer count.
+  MOE_CHECK(num_hidden_layers <= kMaxConfigLayers,
+            "{}: field 'num_hidden_layers' must be at most {}, got {}", source, kMaxConfigLayers,
+            num_hidden_layers);
   if (is_v4()) return validate_v4(source);
   MOE_CHECK(quantization_simulation == "none", "{}: field 'quantization_simulation' must be "
             "\"none\" for {} (DeepSeek-V4's simulated FP8 / FP4 applies to deepseek_v4 only), got "
@@ -113,6 +137,7 @@ void ModelConfig::validate(const std::string& source) const {
               "{}: field 'num_experts_per_tok' ({}) exceeds the experts in topk_group groups ({})",
               source, num_experts_per_tok, topk_group * (n_routed_experts / n_group));
   }
+  check_sizes(*this, source);
 }
 
 void ModelConfig::validate_v4(const std::string& source) const {
@@ -222,39 +247,49 @@ void ModelConfig::validate_v4(const std::string& source) const {
               "{}: MXFP4 experts need hidden_size and moe_intermediate_size divisible by 32 "
               "(32-element scale blocks), got {} and {}", source, hidden_size,
               moe_intermediate_size);
+  check_sizes(*this, source);
 }
 
 namespace {
 
+// Counted in N: int64_t for count_params, __int128 for validate(), whose bounds on every field
+// keep all of these products inside 128 bits and whose bound on the total then keeps them
+// inside 64.
+template <typename N>
+struct Counts {
+  N total = 0, active_per_token = 0, routed_expert = 0, mtp = 0;
+};
+
 // DeepSeek-V4 (SPEC §6.10): the tensors of DeepSeekV4Model, layer by layer.
-ParamCounts count_params_v4(const ModelConfig& c) {
-  const int64_t D = c.hidden_size, n = c.hc_mult, M = (2 + n) * n, H = c.num_attention_heads;
-  const int64_t d = c.head_dim, ql = c.q_lora_rank, go = c.o_groups * c.o_lora_rank;
-  const int64_t expert = 3 * D * c.moe_intermediate_size;
-  const int64_t hc_head = n * n * D + n + 1;
+template <typename N>
+Counts<N> count_params_v4(const ModelConfig& c) {
+  const N D = c.hidden_size, n = c.hc_mult, M = (2 + n) * n, H = c.num_attention_heads;
+  const N d = c.head_dim, ql = c.q_lora_rank, go = N{c.o_groups} * c.o_lora_rank;
+  const N expert = 3 * D * c.moe_intermediate_size;
+  const N hc_head = n * n * D + n + 1;
   // Everything of a block but its routed experts: two mHC sites, two norms, the attention,
   // compressor and indexer of its ratio, the router (weight + bias; a hash layer's table is not
   // a parameter, and its bias is absent) and the shared experts.
   auto block_fixed = [&](int64_t layer) {
-    const int64_t ratio = c.compress_ratio(layer);
-    int64_t p = 2 * (M * n * D + M + 3) + 2 * D;
+    const N ratio = c.compress_ratio(layer);
+    N p = 2 * (M * n * D + M + 3) + 2 * D;
     p += ql * D + ql + H * d * ql + d * D + d + go * (H * d / c.o_groups) + D * go + H;
     if (ratio > 0) {
-      const int64_t coff = ratio == 4 ? 2 : 1;
+      const N coff = ratio == 4 ? 2 : 1;
       p += 2 * coff * d * D + ratio * coff * d + d;
     }
     if (ratio == 4) {
-      const int64_t di = c.index_head_dim, hi = c.index_n_heads;
+      const N di = c.index_head_dim, hi = c.index_n_heads;
       p += hi * di * ql + hi * D + 2 * 2 * di * D + 4 * 2 * di + di;
     }
-    p += c.n_routed_experts * D + (layer < c.num_hash_layers ? 0 : c.n_routed_experts);
-    return p + c.n_shared_experts * expert;
+    p += N{c.n_routed_experts} * D + (layer < c.num_hash_layers ? 0 : c.n_routed_experts);
+    return p + N{c.n_shared_experts} * expert;
   };
-  ParamCounts p;
+  Counts<N> p;
   p.total = 2 * c.vocab_size * D + D + hc_head;  // embed, head, norm, hc_head
   p.active_per_token = c.vocab_size * D + D + hc_head + D;  // head, norm, hc_head, one embed row
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const int64_t fixed = block_fixed(l);
+    const N fixed = block_fixed(l);
     p.total += fixed + c.n_routed_experts * expert;
     p.active_per_token += fixed + c.num_experts_per_tok * expert;
     p.routed_expert += c.n_routed_experts * expert;
@@ -265,12 +300,11 @@ ParamCounts count_params_v4(const ModelConfig& c) {
   return p;
 }
 
-}  // namespace
-
-ParamCounts count_params(const ModelConfig& c) {
-  if (c.is_v4()) return count_params_v4(c);
-  const int64_t d = c.hidden_size, H = c.num_attention_heads;
-  int64_t attn = 0;
+template <typename N>
+Counts<N> count_params_as(const ModelConfig& c) {
+  if (c.is_v4()) return count_params_v4<N>(c);
+  const N d = c.hidden_size, H = c.num_attention_heads;
+  N attn = 0;
   if (c.q_lora_rank > 0)
     attn += c.q_lora_rank * d + c.q_lora_rank + H * c.qk_head_dim() * c.q_lora_rank;
   else
@@ -278,17 +312,17 @@ ParamCounts count_params(const ModelConfig& c) {
   attn += (c.kv_lora_rank + c.qk_rope_head_dim) * d + c.kv_lora_rank;
   attn += H * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank;
   attn += d * H * c.v_head_dim;
-  const int64_t norms = 2 * d;
-  const int64_t dense_ffn = 3 * d * c.intermediate_size;
-  const int64_t expert = 3 * d * c.moe_intermediate_size;
-  const int64_t moe_fixed = c.n_routed_experts * d + c.n_shared_experts * expert;  // router, shared
-  ParamCounts p;
+  const N norms = 2 * d;
+  const N dense_ffn = 3 * d * c.intermediate_size;
+  const N expert = 3 * d * c.moe_intermediate_size;
+  const N moe_fixed = c.n_routed_experts * d + c.n_shared_experts * expert;  // router, shared
+  Counts<N> p;
   p.total = 2 * c.vocab_size * d + d;
   p.active_per_token = c.vocab_size * d + d;      // LM head + final norm
   p.active_per_token += d;                        // the token's embedding row
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    int64_t layer = attn + norms;
-    int64_t active = layer;
+    N layer = attn + norms;
+    N active = layer;
     if (c.is_moe_layer(l)) {
       layer += moe_fixed + c.n_routed_experts * expert;
       active += moe_fixed + c.num_experts_per_tok * expert;
@@ -301,6 +335,39 @@ ParamCounts count_params(const ModelConfig& c) {
     p.active_per_token += active;
   }
   return p;
+}
+
+void check_sizes(const ModelConfig& c, const std::string& source) {
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size}, {"moe_intermediate_size", c.moe_intermediate_size},
+      {"num_attention_heads", c.num_attention_heads}, {"n_routed_experts", c.n_routed_experts},
+      {"n_shared_experts", c.n_shared_experts}, {"num_experts_per_tok", c.num_experts_per_tok},
+      {"n_group", c.n_group}, {"topk_group", c.topk_group}, {"q_lora_rank", c.q_lora_rank},
+      {"kv_lora_rank", c.kv_lora_rank}, {"qk_nope_head_dim", c.qk_nope_head_dim},
+      {"qk_rope_head_dim", c.qk_rope_head_dim}, {"v_head_dim", c.v_head_dim},
+      {"head_dim", c.head_dim}, {"o_groups", c.o_groups}, {"o_lora_rank", c.o_lora_rank},
+      {"sliding_window", c.sliding_window}, {"index_n_heads", c.index_n_heads},
+      {"index_head_dim", c.index_head_dim}, {"index_topk", c.index_topk},
+      {"hc_mult", c.hc_mult}, {"hc_sinkhorn_iters", c.hc_sinkhorn_iters}};
+  for (const auto& [field, v] : sizes)
+    MOE_CHECK(v >= 0 && v <= kMaxConfigSize, "{}: field '{}' must be in [0, {}], got {}", source,
+              field, kMaxConfigSize, v);
+  for (size_t i = 0; i < c.compress_ratios.size(); ++i)
+    MOE_CHECK(c.compress_ratios[i] <= kMaxConfigSize,
+              "{}: field 'compress_ratios[{}]' must be at most {}, got {}", source, i,
+              kMaxConfigSize, c.compress_ratios[i]);
+  const Counts<__int128> n = count_params_as<__int128>(c);
+  MOE_CHECK(n.total + n.mtp <= kMaxConfigParams,
+            "{}: the sizes give {:.3g} parameters, more than 2^56: not a model this engine can "
+            "hold", source, static_cast<double>(n.total + n.mtp));
+}
+
+}  // namespace
+
+ParamCounts count_params(const ModelConfig& c) {
+  const Counts<int64_t> n = count_params_as<int64_t>(c);
+  return {n.total, n.active_per_token, n.routed_expert, n.mtp};
 }
 
 namespace {

@@ -8,9 +8,11 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "core/error.h"
+#include "parallel/collective_watchdog.h"
 
 namespace moe {
 
@@ -187,7 +189,10 @@ std::unique_ptr<MpiCommunicator> MpiCommunicator::world() {
 
 std::string MpiCommunicator::name() const { return "mpi(" + std::to_string(size_) + ")"; }
 
-void MpiCommunicator::barrier() { mpi_check(MPI_Barrier(impl_->comm), "MPI_Barrier"); }
+void MpiCommunicator::barrier() {
+  const CollectiveWait wait("MPI_Barrier");
+  mpi_check(MPI_Barrier(impl_->comm), "MPI_Barrier");
+}
 
 namespace {
 
@@ -230,14 +235,17 @@ void deterministic_sum(MPI_Comm comm, int rank, int size, T* data, int64_t n, in
       rdispls[static_cast<size_t>(j)] = mine * j;
     }
     recv.resize(static_cast<size_t>(mine) * static_cast<size_t>(size));
+    std::optional<CollectiveWait> wait(std::in_place, "MPI_Alltoallv (all_reduce_sum)");
     mpi_check(MPI_Alltoallv(d, counts.data(), displs.data(), type, recv.data(), rcounts.data(),
                             rdispls.data(), type, comm),
               "MPI_Alltoallv (all_reduce_sum)");
+    wait.reset();
     acc.assign(recv.begin(), recv.begin() + mine);
     for (int r = 1; r < size; ++r) {
       const T* src = recv.data() + static_cast<size_t>(r) * static_cast<size_t>(mine);
       for (int i = 0; i < mine; ++i) acc[static_cast<size_t>(i)] += src[i];
     }
+    wait.emplace("MPI_Allgatherv (all_reduce_sum)");
     mpi_check(MPI_Allgatherv(acc.data(), mine, type, d, counts.data(), displs.data(), type, comm),
               "MPI_Allgatherv (all_reduce_sum)");
   }
@@ -258,6 +266,7 @@ void MpiCommunicator::all_reduce_sum(int64_t* data, int64_t n) {
 void MpiCommunicator::all_reduce_min(int64_t* data, int64_t n) {
   for (int64_t c0 = 0; c0 < n; c0 += kReduceChunk) {
     const int c = static_cast<int>(std::min(kReduceChunk, n - c0));
+    const CollectiveWait wait("MPI_Allreduce (all_reduce_min)");
     mpi_check(MPI_Allreduce(MPI_IN_PLACE, data + c0, c, MPI_INT64_T, MPI_MIN, impl_->comm),
               "MPI_Allreduce (all_reduce_min)");
   }
@@ -267,6 +276,7 @@ void MpiCommunicator::all_to_all(const int64_t* send, int64_t* recv, int64_t n) 
   const int c = to_int(n, "all_to_all: elements per rank");
   MOE_CHECK(n * size_ <= std::numeric_limits<int>::max(), "all_to_all: {} elements in all",
             n * size_);
+  const CollectiveWait wait("MPI_Alltoall");
   mpi_check(MPI_Alltoall(send, c, MPI_INT64_T, recv, c, MPI_INT64_T, impl_->comm), "MPI_Alltoall");
 }
 
@@ -292,8 +302,10 @@ void MpiCommunicator::all_to_all_v(const float* send, const int64_t* send_rows, 
   mpi_check(MPI_Type_contiguous(to_int(row_width, "all_to_all_v: row width"), MPI_FLOAT, &row),
             "MPI_Type_contiguous");
   mpi_check(MPI_Type_commit(&row), "MPI_Type_commit");
+  std::optional<CollectiveWait> wait(std::in_place, "MPI_Alltoallv (all_to_all_v)");
   const int rc_call =
       MPI_Alltoallv(send, sc.data(), sd.data(), row, recv, rc.data(), rd.data(), row, impl_->comm);
+  wait.reset();
   MPI_Type_free(&row);
   mpi_check(rc_call, "MPI_Alltoallv");
 }
@@ -325,8 +337,10 @@ void MpiCommunicator::all_to_all_rows(const float* send, const std::vector<RowRu
     indexed(to[j], st[j], sc[j]);
     indexed(from[j], rt[j], rc[j]);
   }
+  std::optional<CollectiveWait> wait(std::in_place, "MPI_Alltoallw (all_to_all_rows)");
   const int rc_call = MPI_Alltoallw(send, sc.data(), zero.data(), st.data(), recv, rc.data(),
                                     zero.data(), rt.data(), impl_->comm);
+  wait.reset();
   for (size_t j = 0; j < W; ++j) {
     if (sc[j]) MPI_Type_free(&st[j]);
     if (rc[j]) MPI_Type_free(&rt[j]);
@@ -337,6 +351,7 @@ void MpiCommunicator::all_to_all_rows(const float* send, const std::vector<RowRu
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   auto impl = std::make_unique<Impl>();
+  const CollectiveWait wait("MPI_Comm_split");
   mpi_check(MPI_Comm_split(impl_->comm, color, key, &impl->comm), "MPI_Comm_split");
   impl->owned = true;
   mpi_check(MPI_Comm_set_errhandler(impl->comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");

@@ -263,10 +263,7 @@ void Server::generate(const httplib::Request& req, httplib::Response& res, bool 
   std::vector<int32_t> prompt;
   try {
     if (chat) {
-      std::vector<ChatMessage> messages;
-      for (const auto& m : p.messages)
-        messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-      prompt = encode_chat_prompt(model_, messages);
+      prompt = encode_chat_prompt(model_, chat_messages(p));
     } else {
       prompt = encode_completion_prompt(*model_.tokenizer, p.prompt);
     }

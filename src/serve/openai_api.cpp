@@ -383,6 +383,13 @@ GenerationParams parse_chat_request(std::string_view body_text, const ApiLimits&
   return p;
 }
 
+std::vector<ChatMessage> chat_messages(const GenerationParams& params) {
+  std::vector<ChatMessage> messages;
+  for (const auto& m : params.messages)
+    messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+  return messages;
+}
+
 void check_token_budget(int64_t prompt_tokens, int64_t max_tokens, const ApiLimits& limits) {
   MOE_CHECK(prompt_tokens >= 0 && max_tokens >= 0, "token counts must be >= 0, got {} and {}",
             prompt_tokens, max_tokens);

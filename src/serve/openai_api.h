@@ -32,6 +32,7 @@
 #include <string_view>
 #include <vector>
 
+#include "data/finetune_data.h"
 #include "infer/sampling.h"
 
 namespace moe {
@@ -95,6 +96,9 @@ struct GenerationParams {
 
 GenerationParams parse_completion_request(std::string_view body, const ApiLimits& limits);
 GenerationParams parse_chat_request(std::string_view body, const ApiLimits& limits);
+
+// A validated chat request's messages as the chat template takes them.
+std::vector<ChatMessage> chat_messages(const GenerationParams& params);
 
 // OpenAI's context-length rule: the prompt alone must leave room for a token, and prompt +
 // max_tokens must fit in context_length; else 400 with code "context_length_exceeded" and the

@@ -178,20 +178,29 @@ fs::path save_checkpoint_dir(const fs::path& checkpoints_dir, const TrainerState
     fs::create_directory(tmp);
   }
   if (world) world->barrier();
-  payload(tmp);
-  if (world) world->barrier();
+  try {
+    payload(tmp);
+    if (world) world->barrier();
+    if (main) {
+      for (const auto& [name, contents] : extra_files) {
+        write_file_atomic(tmp / name, contents);
+        if (hook) hook(name);
+      }
+      // Last: its presence is what marks a checkpoint complete.
+      write_file_atomic(tmp / kTrainerStateFile, state_to_json(state).dump(2) + "\n");
+      if (hook) hook(kTrainerStateFile);
+      fsync_directory(tmp);
+    }
+  } catch (...) {
+    // A failed write (disk full, file size limit) should not leave a checkpoint-sized
+    // directory on a disk that is likely full; a killed one is removed by the next save.
+    std::error_code ignored;
+    if (main) fs::remove_all(tmp, ignored);
+    throw;
+  }
 
   fs::path final_dir = checkpoints_dir / step_name;
   if (main) {
-    for (const auto& [name, contents] : extra_files) {
-      write_file_atomic(tmp / name, contents);
-      if (hook) hook(name);
-    }
-    // Last: its presence is what marks a checkpoint complete.
-    write_file_atomic(tmp / kTrainerStateFile, state_to_json(state).dump(2) + "\n");
-    if (hook) hook(kTrainerStateFile);
-    fsync_directory(tmp);
-
     // Re-saving a step (a resumed run finishing where it started): move the old copy aside
     // first, because rename cannot replace a non-empty directory.
     const fs::path old = checkpoints_dir / (kOldPrefix + std::to_string(state.step));

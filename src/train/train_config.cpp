@@ -7,6 +7,7 @@
 #include <toml++/toml.h>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "io/hf_config.h"
 #include "io/model_spec.h"
 #include "train/config_keys.h"
@@ -66,6 +67,7 @@ ConfigKeys bind(TrainConfig& c) {
   k.add_int("run.threads", &c.run.threads, non_negative);
   k.add_string("run.out_dir", &c.run.out_dir);
   k.add_int("parallel.ep", &c.parallel.ep, at_least_one);
+  k.add_int("parallel.collective_timeout", &c.parallel.collective_timeout, non_negative);
 
   k.add_int("lora.r", &c.lora.r, at_least_one);
   k.add_float("lora.alpha", &c.lora.alpha, positive);
@@ -254,11 +256,8 @@ TrainConfig parse_train_config(const std::string& toml_text, const std::string& 
 TrainConfig load_train_config(const std::filesystem::path& file,
                               const std::vector<ConfigOverride>& overrides,
                               ConfigPurpose purpose) {
-  std::ifstream in(file, std::ios::binary);
-  MOE_CHECK(in.good(), "{}: cannot open the config file", file.string());
-  std::stringstream s;
-  s << in.rdbuf();
-  return parse_train_config(s.str(), file.string(), overrides, purpose);
+  return parse_train_config(read_text_file_capped(file, "the config file"), file.string(), overrides,
+                            purpose);
 }
 
 LoraSettings lora_settings(const TrainConfig& cfg) {

@@ -86,6 +86,10 @@ struct TrainConfig {
     // Expert-parallel size under mpirun: must divide the number of ranks and the routed experts.
     // Each rank holds E / ep experts; the W / ep ranks with the same experts are replicas.
     int64_t ep = 1;
+    // Seconds a rank may wait inside one collective before the job is ended as stalled (a rank
+    // stopped or hung without dying); 0: wait forever. Only waits are timed, never compute or
+    // checkpoint writes (src/parallel/collective_watchdog.h).
+    int64_t collective_timeout = 600;
   } parallel;
 };
 

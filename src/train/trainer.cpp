@@ -17,6 +17,7 @@
 #include "data/finetune_data.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"
+#include "parallel/collective_watchdog.h"
 #include "parallel/communicator.h"
 #include "parallel/ep_training.h"
 #include "io/atomic_file.h"
@@ -252,6 +253,11 @@ class TrainingRun {
     bool checkpoint_due = false;
     const InterruptGuard interrupt;
     interrupt_ = &interrupt;
+    // Armed only now: start-up and restore do uneven work per rank (rank 0 reads more), which
+    // the others may legitimately wait for.
+    const CollectiveWatchdog watchdog(
+        world().size() > 1 ? static_cast<double>(cfg_.parallel.collective_timeout) : 0.0,
+        world().rank(), "parallel.collective_timeout");
     while (st_.step < cfg_.schedule.steps) {
       const StepOutcome s = step();
       const bool last = st_.step == cfg_.schedule.steps;
@@ -480,6 +486,7 @@ class TrainingRun {
   // or a skipped step when anything is non-finite. Every rank draws the same global batches and
   // trains on its part; scaled as below, the summed gradients are those of the global batch.
   StepOutcome step() {
+    CollectiveWatchdog::set_step(st_.step + 1);
     if (req_.hooks.before_step) req_.hooks.before_step(st_.step, *model_);
     const auto t0 = Clock::now();
     const int64_t accum = cfg_.optimizer.grad_accum;
@@ -609,6 +616,27 @@ class TrainingRun {
     writers.ep_size = groups_.ep_size;
     writers.ep_rank = groups_.ep_rank;
     writers.writes_experts = groups_.writes_experts();
+    // The other ranks wait in barriers while rank 0 writes, for as long as the disk takes.
+    const CollectiveWatchdog::Exempt slow_writes;
+    try {
+      save(extra, writers);
+    } catch (const std::exception& e) {
+      // A failed save touched only its hidden temporary directory: say which checkpoint a
+      // resume will take.
+      std::string last;
+      try {
+        last = last_checkpoint_name();
+      } catch (const std::exception&) {
+        last = "unknown (" + ckpt_dir_.string() + " cannot be listed)";
+      }
+      fail("step {}: writing the checkpoint failed: {}. The last complete checkpoint is {}",
+           st_.step, e.what(), last);
+    }
+    say(fmt::format("step {}: checkpoint {}", st_.step, result_.last_checkpoint.string()));
+  }
+
+  void save(std::vector<std::pair<std::string, std::string>>& extra,
+            const CheckpointWriters& writers) {
     if (cfg_.finetune) {
       // Adapters + their optimizer state + trainer state; the base is referenced, not copied.
       extra.emplace_back(kBaseModelFile, base_reference_);
@@ -626,7 +654,6 @@ class TrainingRun {
                                                 cfg_.checkpoint.keep_last,
                                                 req_.hooks.checkpoint_file, extra, writers);
     }
-    say(fmt::format("step {}: checkpoint {}", st_.step, result_.last_checkpoint.string()));
   }
 
   void show_progress(const StepOutcome& s) {
