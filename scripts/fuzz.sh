@@ -30,7 +30,8 @@ ALL_TARGETS="safetensors_header safetensors_index model_config train_config toke
              tokenizer_encode adapter_config serve_request"
 TARGETS=${*:-$ALL_TARGETS}
 
-command -v clang++ > /dev/null || { echo "fuzz.sh: clang++ is missing (apt-get install clang libclang-rt-14-dev)" >&2; exit 1; }
+bash scripts/setup.sh --fuzz
+command -v clang++ > /dev/null || { echo "fuzz.sh: clang++ is missing (apt-get install clang libclang-rt-dev)" >&2; exit 1; }
 cmake -S . -B "$BUILD_DIR" -DMOE_FUZZ=ON -DCMAKE_CXX_COMPILER=clang++ \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null
 build_targets=()

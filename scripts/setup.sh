@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Installs the Debian packages moe builds and tests with, only those missing, and the npm packages
 # of the Hugging Face tokenizer reference (tests/tokenizer_ref) when they are not installed yet.
+#   bash scripts/setup.sh          # what the build and the test suite need
+#   bash scripts/setup.sh --fuzz   # and clang with libFuzzer's runtime (scripts/fuzz.sh)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PKGS=(build-essential cmake pkg-config libopenblas-openmp-dev libhwy-dev libopenmpi-dev openmpi-bin
       nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libgtest-dev libgmock-dev
       libbenchmark-dev python3-torch python3-numpy libpcre2-dev libcpp-httplib-dev curl)
+for arg in "$@"; do
+  case $arg in
+    --fuzz) PKGS+=(clang libclang-rt-dev) ;;
+    *) echo "setup.sh: unknown option '$arg' (expected --fuzz)" >&2; exit 2 ;;
+  esac
+done
 # node and npm run the tokenizer reference; Debian's, unless a node with npm is there already
 # (asking apt for Debian's npm next to another node package would try to replace it).
 if ! command -v node > /dev/null 2>&1 || ! command -v npm > /dev/null 2>&1; then

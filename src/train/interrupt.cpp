@@ -21,6 +21,10 @@ InterruptGuard::InterruptGuard() {
   g_requested = 0;
   struct sigaction sa = {};
   sa.sa_handler = on_stop_signal;
+  // Interrupted reads and writes resume: a Ctrl-C during a checkpoint write must finish that
+  // write (and then save at the step's end), not fail it with EINTR. Every user of the flag
+  // polls it; none relies on a blocking call being cut short.
+  sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, &g_old_int);
   sigaction(SIGTERM, &sa, &g_old_term);
