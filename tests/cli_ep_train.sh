@@ -4,25 +4,11 @@
 # resumes; a bad --ep ends every rank with the cause printed and a non-zero exit.
 # Usage: cli_ep_train.sh MOE MPIRUN WORK_DIR
 set -u
+tests_dir=$(cd "$(dirname "$0")" && pwd)
 moe=$1 mpirun=$2 work=$3
 rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
-for i in $(seq 1 400); do echo "in the beginning $i the word was with the model and the model was good"; done > corpus.txt
-cat > tiny.toml <<TOML
-[model]
-preset = "debug"
-[data]
-path = "corpus.txt"
-seq_len = 32
-batch_size = 4
-[schedule]
-steps = 4
-warmup_steps = 1
-[logging]
-progress = "lines"
-log_every = 1
-[run]
-out_dir = "run"
-TOML
+. "$tests_dir/tiny_run.sh"
+write_tiny_run 4
 run() { timeout 120 $mpirun --allow-run-as-root --oversubscribe -np 2 "$moe" --threads 1 "$@"; }
 fail() { echo "FAIL: $*"; exit 1; }
 

@@ -13,6 +13,7 @@
 # Usage: fault_drills.sh MODE MOE MPIRUN WORK_DIR
 # MOE_FAULT_SEED sets the kill9 drill's random seed (printed; the default is fixed).
 set -u
+tests_dir=$(cd "$(dirname "$0")" && pwd)
 mode=$1 moe=$2 mpirun=$3 work=$4
 # An earlier run stopped inside the write drill may have left an immutable directory or the
 # full-disk tmpfs behind.
@@ -25,28 +26,11 @@ fail() {
   echo "FAIL: $*"
   exit 1
 }
-for i in $(seq 1 400); do echo "in the beginning $i the word was with the model and the model was good"; done > corpus.txt
 # Constant learning rate after warm-up: a run stopped at step k and resumed with more steps
 # takes the same updates as one run of that many steps, so any stopping point compares.
-cat > tiny.toml << TOML
-[model]
-preset = "debug"
-[data]
-path = "$work/corpus.txt"
-seq_len = 32
-batch_size = 4
-[schedule]
-steps = 8
-warmup_steps = 1
-decay = "constant"
-[checkpoint]
-every = 2
-[logging]
-progress = "lines"
-log_every = 1
-[run]
-out_dir = "run"
-TOML
+. "$tests_dir/tiny_run.sh"
+write_tiny_run 8 'decay = "constant"' '[checkpoint]
+every = 2'
 moe1() { "$moe" --threads 1 "$@"; }
 mpi2() { "$mpirun" --allow-run-as-root --oversubscribe "$@"; }
 now_ms() { date +%s%3N; }
