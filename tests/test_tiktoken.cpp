@@ -26,6 +26,7 @@
 
 #include <fmt/format.h>
 
+#include "core/limits.h"
 #include "data/tiktoken_tokenizer.h"
 #include "data/tokenizer.h"
 #include "test_util.h"
@@ -176,6 +177,21 @@ TEST(TiktokenFixture, InvalidUtf8RoundTripsAndErrorsNameTheFile) {
     EXPECT_NE(std::string(e.what()).find("bad.model:2"), std::string::npos) << e.what();
   }
   EXPECT_THROW(TiktokenTokenizer::from_text("IQ== 0\n", "few.model"), std::exception);  // bytes without ranks
+}
+
+// The rank table is sized by the largest rank: one line with rank 2^30 - 2 asked for 32 GiB.
+TEST(TiktokenFixture, AHugeRankIsAnErrorNotAnAllocation) {
+  constexpr int64_t kRank = 1073741822;
+  if (max_load_bytes() >= (kRank + 1) * static_cast<int64_t>(sizeof(std::string)))
+    GTEST_SKIP() << "this machine could hold the table";
+  try {
+    TiktokenTokenizer::from_text("YQ== 1073741822\n", "huge.model");
+    FAIL() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("huge.model"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 1073741822"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(kMaxLoadBytesEnv), std::string::npos) << e.what();
+  }
 }
 
 // ================================================================== with node
