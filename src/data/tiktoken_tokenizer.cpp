@@ -464,9 +464,10 @@ std::vector<std::string> TiktokenTokenizer::pieces(std::string_view text) const 
 }
 
 std::string TiktokenTokenizer::token_bytes(int32_t id) const {
+  // A special id may also sit in a gap of the ranks (the loader allows that, not a clash).
+  if (const auto it = impl_->special_by_id.find(id); it != impl_->special_by_id.end()) return it->second;
   if (id >= 0 && id < impl_->n_ranks) return impl_->bytes_of[static_cast<size_t>(id)];
-  const auto it = impl_->special_by_id.find(id);
-  return it == impl_->special_by_id.end() ? std::string() : it->second;
+  return {};
 }
 
 int64_t TiktokenTokenizer::vocab_size() const {
