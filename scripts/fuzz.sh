@@ -27,7 +27,7 @@ RSS_LIMIT_MB=${FUZZ_RSS_LIMIT_MB:-2048}
 # The targets that need a directory write their files there: memory is faster than the disk.
 if [ -z "${TMPDIR:-}" ] && [ -d /dev/shm ] && [ -w /dev/shm ]; then export TMPDIR=/dev/shm; fi
 ALL_TARGETS="safetensors_header safetensors_index model_config train_config token_file tokenizer
-             tokenizer_encode adapter_config serve_request"
+             tokenizer_encode tiktoken adapter_config serve_request"
 TARGETS=${*:-$ALL_TARGETS}
 
 bash scripts/setup.sh --fuzz
@@ -49,6 +49,12 @@ fixture_seeds() {
     model_config)       { find tests/fixtures -name config.json; ls configs/models/*.json; } | copy_flat "$out" ;;
     train_config)       ls configs/*.toml | copy_flat "$out" ;;
     adapter_config)     find tests/fixtures -name adapter_config.json | copy_flat "$out" ;;
+    tiktoken)
+      # tiktoken.model NUL tokenizer_config.json NUL text
+      d=tests/fixtures/tokenizers/tiktoken_kimi_small
+      { cat "$d/tiktoken.model"; printf '\0'; cat "$d/tokenizer_config.json"; printf '\0[BOS]in the beginning 2024 '; } \
+        > "$out/tiktoken_kimi_small"
+      { cat "$d/tiktoken.model"; printf '\0\0caf\xc3\xa9 \xff\xfe'; } > "$out/tiktoken_kimi_small_no_config" ;;
     tokenizer|tokenizer_encode)
       # tokenizer: tokenizer.json NUL tokenizer_config.json NUL text; tokenizer_encode: texts.
       python3 - "$t" "$out" <<'PY'
@@ -92,7 +98,7 @@ for t in $TARGETS; do
   else
     failed+=("$t")
     echo "fuzz_$t: FINDING (log: $dir/log, input: $(ls "$dir"/findings/* 2>/dev/null | head -1))"
-    grep -E 'ERROR|SUMMARY|fuzz finding|runtime error|Test unit written' "$dir/log" | head -20
+    grep -E 'ERROR|SUMMARY|fuzz finding|runtime error|Test unit written' "$dir/log" | head -20 || true
   fi
 done
 if [ ${#failed[@]} -gt 0 ]; then

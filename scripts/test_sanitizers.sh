@@ -7,10 +7,13 @@
 #   BUILD_DIR=... CTEST_ARGS="-R test_io" bash scripts/test_sanitizers.sh
 #
 # -O1: instrumented code at -O2 builds twice as slowly for little gain in what the checks see.
-# The tests that only repeat another test on a forced SIMD target (*_avx2, *_scalar) are left to
-# the normal build: the instrumented code is the same source, and the sanitizers find memory and
-# UB errors, not rounding differences. Memory proofs run 100 steps (MOE_MEMORY_STEPS): the
-# quarantine makes each step slower, the check per step is the same.
+# Left to the normal build, to keep this step to about a quarter of an hour on 2 cores: the tests
+# that only repeat another test on a forced SIMD target (*_avx2, *_scalar: the same source, and
+# the sanitizers find memory and UB errors, not rounding differences); fault_kill9 (20 runs
+# killed by SIGKILL: no sanitizer report can come from a killed process); and the Unicode probe
+# against Hugging Face's tokenizers (3,000 texts through six tokenizers, 3 minutes instrumented;
+# the same code paths run on the fixtures' corpus in the other tests). Memory proofs run 30 steps
+# (MOE_MEMORY_STEPS): the quarantine makes each step slower, the check per step is the same.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -27,7 +30,8 @@ SUPP="$PWD/tests/sanitizers"
 export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=0:fast_unwind_on_malloc=0"
 export LSAN_OPTIONS="suppressions=$SUPP/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-export MOE_MEMORY_STEPS=100
+export MOE_MEMORY_STEPS=30
+export GTEST_FILTER="-HfTokenizerReference.EveryUnicodeCodePointMatchesHuggingFace"
 cd "$BUILD_DIR"
 # shellcheck disable=SC2086
-ctest --output-on-failure -E '_(avx2|scalar)$' ${CTEST_ARGS:-}
+ctest --output-on-failure -E '_(avx2|scalar)$|^fault_kill9$' ${CTEST_ARGS:-}

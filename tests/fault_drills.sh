@@ -18,13 +18,32 @@ mode=$1 moe=$2 mpirun=$3 work=$4
 # An earlier run stopped inside the write drill may have left an immutable directory or the
 # full-disk tmpfs behind.
 if [ -d "$work" ]; then
-  mountpoint -q "$work/full" 2> /dev/null && umount "$work/full"
+  mountpoint -q "$work/full" 2> /dev/null && umount -l "$work/full"
   chattr -R -i "$work" 2> /dev/null
 fi
 rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
 fail() {
   echo "FAIL: $*"
   exit 1
+}
+# Whatever happens (a failed check, ctest's timeout), no rank outlives the drill.
+launched=()
+kill_tree() {
+  local c
+  for c in $(pgrep -P "$1"); do kill_tree "$c"; done
+  kill -KILL "$1" 2> /dev/null
+}
+trap 'for p in "${launched[@]}"; do kill_tree "$p"; done' EXIT
+# wait_bounded PID SECONDS: waits for the background job PID to end, at most SECONDS; sets $rc.
+wait_bounded() {
+  local tenths=0
+  while kill -0 "$1" 2> /dev/null && [ $tenths -lt $(($2 * 10)) ]; do
+    sleep 0.1
+    tenths=$((tenths + 1))
+  done
+  kill -0 "$1" 2> /dev/null && return 1
+  wait "$1"
+  rc=$?
 }
 # Constant learning rate after warm-up: a run stopped at step k and resumed with more steps
 # takes the same updates as one run of that many steps, so any stopping point compares.
@@ -247,6 +266,7 @@ drill_sigterm() {
     rank "$moe" --threads 1 train --config tiny.toml --ep 2 --schedule.steps 100000 \
     --checkpoint.every 0 > term.log 2>&1 &
   local mp=$! t0 t1
+  launched+=("$mp")
   for _ in $(seq 1 600); do
     grep -q "step 2/" rank0.log 2> /dev/null && break
     kill -0 $mp 2> /dev/null || { cat term.log rank*.log; fail "mpirun ended before step 2"; }
@@ -254,8 +274,8 @@ drill_sigterm() {
   done
   t0=$(now_ms)
   kill -TERM $mp
-  wait $mp
-  local rc=$? s
+  local rc s
+  wait_bounded $mp 120 || { cat term.log rank*.log; fail "mpirun still runs 120 s after SIGTERM"; }
   t1=$(now_ms)
   cat term.log
   grep -v "^step [0-9]*/" rank0.log
@@ -288,7 +308,8 @@ drill_stall() {
   "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$moe" --threads 1 train --config tiny.toml \
     --ep 2 --schedule.steps 100000 --checkpoint.every 0 --collective-timeout $limit \
     > stall.log 2>&1 &
-  local mp=$! victim="" p t0 t1
+  local mp=$! victim="" p t0 t1 rc
+  launched+=("$mp")
   for _ in $(seq 1 600); do
     grep -q "step 2/" stall.log && break
     kill -0 $mp 2> /dev/null || { cat stall.log; fail "mpirun ended before step 2"; }
@@ -297,23 +318,12 @@ drill_stall() {
   for p in $(pgrep -P $mp); do
     tr '\0' '\n' < /proc/$p/environ | grep -qx "OMPI_COMM_WORLD_RANK=1" && victim=$p
   done
-  [ -n "$victim" ] || { kill -KILL $mp; fail "rank 1's process not found under mpirun $mp"; }
+  [ -n "$victim" ] || fail "rank 1's process not found under mpirun $mp"
   t0=$(now_ms)
   kill -STOP $victim
   echo "stall: rank 1 (pid $victim) stopped"
   # A hang ends here as a failure, not as a stuck test.
-  local waited=0
-  while kill -0 $mp 2> /dev/null && [ $waited -lt 600 ]; do
-    sleep 0.1
-    waited=$((waited + 1))
-  done
-  if kill -0 $mp 2> /dev/null; then
-    kill -KILL $victim $mp 2> /dev/null
-    cat stall.log
-    fail "the job still runs 60 s after rank 1 stopped: a hang"
-  fi
-  wait $mp
-  local rc=$?
+  wait_bounded $mp 60 || { cat stall.log; fail "the job still runs 60 s after rank 1 stopped: a hang"; }
   t1=$(now_ms)
   cat stall.log
   echo "stall: mpirun exited $rc, $((t1 - t0)) ms after rank 1 stopped"

@@ -204,8 +204,9 @@ TEST_P(DistMemory, FlatOverTrainingEvaluationAndInference) {
   const int64_t rss0 = train.rss_after_warmup, rss1 = infer.rss_after_last;
   const double growth = static_cast<double>(rss1 - rss0) / static_cast<double>(rss0);
   EXPECT_GT(rss0, 0) << "no VmRSS in /proc/self/status";
-  if (kRssIsMeaningful)
+  if (kRssIsMeaningful) {
     EXPECT_LT(growth, kRssGrowthLimit) << "RSS " << rss0 << " -> " << rss1 << " bytes";
+  }
 
   // Every rank's numbers, gathered for rank 0's log (also keeps the ranks in step).
   std::vector<int64_t> rss(static_cast<size_t>(2 * W), 0);

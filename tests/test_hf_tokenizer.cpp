@@ -370,6 +370,21 @@ TEST(HfTokenizer, ErrorsNameTheFileAndField) {
 // id 2^31 - 1 asked for 128 GiB (std::bad_alloc, or the OOM killer); and a deeply nested value
 // overflowed the stack when the error message printed it.
 TEST(HfTokenizer, HugeIdsAndDeepNestingAreErrors) {
+  const std::string deep(100000, '[');
+  const std::string deep_json = R"({"model": )" + deep + std::string(deep.size(), ']') + "}";
+  const std::string nested = moe::testing::error_of([&] { HfTokenizer::from_json(deep_json, "deep.json"); });
+  EXPECT_NE(nested.find("deep.json: JSON nested more than 64 levels deep"), std::string::npos) << nested;
+  // The same file through the loader training, generation and `moe plan` use (it crashed there
+  // once the HF reader alone was hardened).
+  const fs::path dir = fs::temp_directory_path() / ("moe_deep_tokenizer_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "tokenizer.json") << deep_json;
+  const std::string loaded = moe::testing::error_of([&] { load_tokenizer(dir.string()); });
+  EXPECT_NE(loaded.find((dir / "tokenizer.json").string() + ": JSON nested more than 64 levels deep"),
+            std::string::npos)
+      << loaded;
+  fs::remove_all(dir);
+
   constexpr int64_t kTableBytes = (int64_t{INT32_MAX} + 1) * 2 * sizeof(std::string);
   if (max_load_bytes() >= kTableBytes) GTEST_SKIP() << "this machine could hold the tables";
   const std::string e = moe::testing::error_of([] {
@@ -377,11 +392,6 @@ TEST(HfTokenizer, HugeIdsAndDeepNestingAreErrors) {
   });
   EXPECT_NE(e.find("big.json: the id tables up to id 2147483647"), std::string::npos) << e;
   EXPECT_NE(e.find(kMaxLoadBytesEnv), std::string::npos) << e;
-  const std::string deep(100000, '[');
-  const std::string nested = moe::testing::error_of([&] {
-    HfTokenizer::from_json(R"({"model": )" + deep + std::string(deep.size(), ']') + "}", "deep.json");
-  });
-  EXPECT_NE(nested.find("deep.json: JSON nested more than 64 levels deep"), std::string::npos) << nested;
 }
 
 TEST(HfTokenizer, EncodesMegabytesOfEnglishPerSecond) {
@@ -414,7 +424,9 @@ TEST(HfTokenizer, EncodesMegabytesOfEnglishPerSecond) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::cout << "[ speed    ] " << f.parent_path().filename().string() << ": " << text.size() / 1e6 << " MB -> "
               << ids.size() << " tokens in " << s << " s (" << text.size() / 1e6 / s << " MB/s)\n";
+#if !defined(__SANITIZE_ADDRESS__)  // instrumented code is several times slower by design
     EXPECT_LT(s, 6.0);
+#endif
     EXPECT_EQ(tok.decode(ids), text);
   }
 }

@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
 #include "io/safetensors.h"
+#include "io/token_file.h"
 #include "model/config.h"
 #include "model/param.h"
 #include "test_util.h"
@@ -640,7 +642,7 @@ TEST(HfConfig, HugeSizesAndDeepNestingAreErrorsNotOverflows) {
   };
   rejects({{"vocab_size", int64_t{1} << 40}}, {"big/config.json", "vocab_size", "16777216"});
   rejects({{"num_hidden_layers", std::numeric_limits<int64_t>::max()}},
-          {"num_hidden_layers", "at most 4096"});
+          {"num_hidden_layers", "[0, 4096]"});
   rejects({{"n_shared_experts", int64_t{1} << 30}}, {"n_shared_experts", "[0, 16777216]"});
   rejects({{"hidden_size", 1 << 24}, {"intermediate_size", 1 << 24}, {"num_hidden_layers", 1 << 12},
            {"first_k_dense_replace", 1 << 12}},
@@ -654,6 +656,33 @@ TEST(HfConfig, HugeSizesAndDeepNestingAreErrorsNotOverflows) {
   json j = tiny_config_json();
   j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, int64_t{1} << 40}}};
   expect_error([&] { parse_hf_weights_info(j, "big/config.json"); }, {"weight_block_size", "2^24"});
+  // Read before validation (which MTP layers a tensor belongs to): bounded there too, so
+  // num_hidden_layers + num_nextn_predict_layers cannot overflow (a fuzz finding).
+  j = tiny_config_json();
+  j["num_hidden_layers"] = int64_t{1} << 62;
+  j["num_nextn_predict_layers"] = int64_t{1} << 62;
+  expect_error([&] { parse_hf_weights_info(j, "big/config.json"); },
+               {"big/config.json", "num_hidden_layers", "[0, 4096]"});
+  j["num_hidden_layers"] = 4;
+  expect_error([&] { parse_hf_weights_info(j, "big/config.json"); },
+               {"big/config.json", "num_nextn_predict_layers", "[0, 4096]"});
+}
+
+TEST(TokenFile, ReadsEqualLinesAndRefusesRaggedOrOutOfRangeIdsAndPipes) {
+  const fs::path dir = scratch_dir();
+  write_raw(dir / "ids.txt", "1 2 3\n\n4 5\t6\r\n");
+  const TokenBatch b = read_token_file(dir / "ids.txt");
+  EXPECT_EQ(b.shape.batch, 2);
+  EXPECT_EQ(b.shape.seq, 3);
+  EXPECT_EQ(std::vector<int32_t>(b.tokens.i32(), b.tokens.i32() + 6), (std::vector<int32_t>{1, 2, 3, 4, 5, 6}));
+  write_raw(dir / "ragged.txt", "1 2 3\n4 5\n");
+  expect_error([&] { read_token_file(dir / "ragged.txt"); }, {"ragged.txt:2", "same length"});
+  write_raw(dir / "big.txt", "1 2147483648\n");
+  expect_error([&] { read_token_file(dir / "big.txt"); }, {"big.txt:1", "2147483648", "32-bit"});
+  // A FIFO has no size to check before reading (and opening it would wait for a writer).
+  ASSERT_EQ(::mkfifo((dir / "pipe").c_str(), 0600), 0);
+  expect_error([&] { read_token_file(dir / "pipe"); }, {"pipe", "not a regular file"});
+  expect_error([&] { read_token_file(dir / "missing.txt"); }, {"missing.txt", "cannot open"});
 }
 
 TEST(LoadCap, SizesAboveTheCapAndOverflowingProductsNameTheFileAndField) {

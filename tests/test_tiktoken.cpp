@@ -26,6 +26,7 @@
 
 #include <fmt/format.h>
 
+#include "core/limits.h"
 #include "data/tiktoken_tokenizer.h"
 #include "data/tokenizer.h"
 #include "test_util.h"
@@ -176,6 +177,39 @@ TEST(TiktokenFixture, InvalidUtf8RoundTripsAndErrorsNameTheFile) {
     EXPECT_NE(std::string(e.what()).find("bad.model:2"), std::string::npos) << e.what();
   }
   EXPECT_THROW(TiktokenTokenizer::from_text("IQ== 0\n", "few.model"), std::exception);  // bytes without ranks
+}
+
+// Found by tests/fuzz/fuzz_tiktoken: a special token whose id lies in a gap of the ranks (allowed:
+// it clashes with no rank) decoded to nothing, so decode(encode(text)) lost it.
+TEST(TiktokenFixture, ASpecialIdInAGapOfTheRanksDecodesToItsText) {
+  std::string ranks;
+  for (int b = 0; b < 256; ++b) {
+    const std::string byte(1, static_cast<char>(b));
+    static const char* const kDigits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const auto u = static_cast<unsigned char>(b);
+    ranks += std::string{kDigits[u >> 2], kDigits[(u & 3) << 4], '=', '='} + " " + std::to_string(b) + "\n";
+  }
+  ranks += "YWI= 300\n";  // "ab" at 300: ids 256..299 are a gap
+  const auto tok = TiktokenTokenizer::from_text(
+      ranks, "gap.model", R"({"added_tokens_decoder": {"260": {"content": "[BOS]", "special": true}}})");
+  const std::vector<int32_t> ids = tok.encode("[BOS]ab");
+  EXPECT_EQ(ids, (std::vector<int32_t>{260, 300}));
+  EXPECT_EQ(tok.decode(ids), "[BOS]ab");
+}
+
+// The rank table is sized by the largest rank: one line with rank 2^30 - 2 asked for 32 GiB.
+TEST(TiktokenFixture, AHugeRankIsAnErrorNotAnAllocation) {
+  constexpr int64_t kRank = 1073741822;
+  if (max_load_bytes() >= (kRank + 1) * static_cast<int64_t>(sizeof(std::string)))
+    GTEST_SKIP() << "this machine could hold the table";
+  try {
+    TiktokenTokenizer::from_text("YQ== 1073741822\n", "huge.model");
+    FAIL() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("huge.model"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 1073741822"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(kMaxLoadBytesEnv), std::string::npos) << e.what();
+  }
 }
 
 // ================================================================== with node

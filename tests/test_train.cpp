@@ -409,6 +409,16 @@ TEST(Checkpoint, KilledWriteLeavesThePreviousCheckpointLoadable) {
   for (const auto& e : fs::directory_iterator(ckpts))
     EXPECT_EQ(e.path().filename().string().rfind(".tmp", 0), std::string::npos) << e.path();
   EXPECT_TRUE(fs::exists(ckpts / "step_6" / kTrainerStateFile));
+
+  // Saving step 6 again (here from the step-4 weights) swaps the new copy in whole: step_6 holds
+  // it, and no second copy is left behind.
+  const std::string trained6 = read_file(ckpts / "step_6" / "model.safetensors");
+  save_checkpoint(ckpts, mc, model.params(), opt, st, /*keep_last=*/1, {});
+  EXPECT_EQ(read_file(ckpts / "step_6" / "model.safetensors"), weights_before);
+  EXPECT_NE(trained6, weights_before);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(ckpts)) names.push_back(e.path().filename().string());
+  EXPECT_EQ(names, std::vector<std::string>{"step_6"});
 }
 
 TEST(Train, ModelWeightsStartTheRunFromASavedModel) {

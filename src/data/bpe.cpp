@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "data/byte_level.h"
 
 namespace moe {
@@ -137,7 +138,7 @@ std::string BpeTokenizer::to_json() const {
 }
 
 BpeTokenizer BpeTokenizer::from_json(const std::string& text, const std::string& source) {
-  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const json j = json::parse(text, json_depth_limit<json>(source), /*allow_exceptions=*/false);
   MOE_CHECK(j.is_object(), "{}: not a JSON object (expected a Hugging Face tokenizer.json)", source);
   auto bad = [&](const std::string& field, const std::string& expected, const json& got) {
     fail("{}: {}: expected {}, got {}", source, field, expected,

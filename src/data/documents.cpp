@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/limits.h"
 
 namespace moe {
 
@@ -37,7 +38,9 @@ void read_jsonl(const fs::path& path, const std::string& field, std::vector<std:
   for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
     if (std::all_of(line.begin(), line.end(), [](char c) { return std::isspace(static_cast<unsigned char>(c)); }))
       continue;
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const nlohmann::json j = nlohmann::json::parse(
+        line, json_depth_limit<nlohmann::json>(fmt::format("{}:{}", path.string(), line_no)),
+        /*allow_exceptions=*/false);
     MOE_CHECK(!j.is_discarded(), "{}:{}: not valid JSON", path.string(), line_no);
     MOE_CHECK(j.is_object(), "{}:{}: expected a JSON object with a string field '{}', got {}",
               path.string(), line_no, field, j.type_name());

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "data/chat_template.h"
 #include "data/documents.h"
 #include "data/tokenizer.h"
@@ -329,7 +330,7 @@ void FinetuneLoader::read_jsonl(const fs::path& file) {
   for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
     if (blank(line)) continue;
     const std::string where = fmt::format("{}:{}", file.string(), line_no);
-    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const json j = json::parse(line, json_depth_limit<json>(where), /*allow_exceptions=*/false);
     MOE_CHECK(!j.is_discarded(), "{}: not valid JSON", where);
     MOE_CHECK(j.is_object(), "{}: expected a JSON object, got {}", where, j.type_name());
     const std::optional<ExampleFormat> own = line_format(j, o_.jsonl_field);

@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "data/documents.h"
 #include "data/tokenizer_text.h"
 
@@ -340,10 +341,10 @@ bool TiktokenTokenizer::recognizes(const std::filesystem::path& path) {
 TiktokenTokenizer TiktokenTokenizer::load(const std::filesystem::path& path, const std::string& pattern) {
   namespace fs = std::filesystem;
   const fs::path file = fs::is_directory(path) ? path / "tiktoken.model" : path;
-  const std::string ranks = read_whole_file(file);
+  const std::string ranks = read_text_file_capped(file, "the tiktoken ranks");
   const fs::path config = file.parent_path() / "tokenizer_config.json";
   std::string config_text;
-  if (fs::is_regular_file(config)) config_text = read_whole_file(config);
+  if (fs::is_regular_file(config)) config_text = read_text_file_capped(config, "the tokenizer config");
   return from_text(ranks, file.string(), config_text, config.string(), pattern);
 }
 
@@ -378,7 +379,11 @@ TiktokenTokenizer TiktokenTokenizer::from_text(const std::string& ranks_text, co
     MOE_CHECK(r < std::numeric_limits<int32_t>::max() / 2, "{}:{}: rank {} is too large", source, line_no, r);
     const auto [it, inserted] = impl->ranks.emplace(bytes, static_cast<int32_t>(r));
     MOE_CHECK(inserted, "{}:{}: token repeated (rank {} and {})", source, line_no, it->second, r);
-    if (static_cast<int64_t>(impl->bytes_of.size()) <= r) impl->bytes_of.resize(static_cast<size_t>(r) + 1);
+    if (static_cast<int64_t>(impl->bytes_of.size()) <= r) {
+      check_load_bytes(source, fmt::format("line {}: the table up to rank {}", line_no, r),
+                       (r + 1) * static_cast<int64_t>(sizeof(std::string)));
+      impl->bytes_of.resize(static_cast<size_t>(r) + 1);
+    }
     MOE_CHECK(impl->bytes_of[static_cast<size_t>(r)].empty(), "{}:{}: rank {} repeated", source, line_no, r);
     impl->bytes_of[static_cast<size_t>(r)] = bytes;
   }
@@ -388,7 +393,8 @@ TiktokenTokenizer TiktokenTokenizer::from_text(const std::string& ranks_text, co
     MOE_CHECK(impl->ranks.count(std::string(1, static_cast<char>(b))), "{}: byte 0x{:02X} has no rank", source, b);
 
   if (!config_json.empty()) {
-    const nlohmann::json cfg = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
+    const nlohmann::json cfg =
+        nlohmann::json::parse(config_json, json_depth_limit<nlohmann::json>(config_source), /*allow_exceptions=*/false);
     MOE_CHECK(!cfg.is_discarded() && cfg.is_object(), "{}: not a JSON object", config_source);
     auto add_special = [&](int64_t id, const std::string& text, const std::string& where) {
       MOE_CHECK(id >= 0 && id < std::numeric_limits<int32_t>::max() / 2, "{}: {}: invalid id {}", config_source,
@@ -458,9 +464,10 @@ std::vector<std::string> TiktokenTokenizer::pieces(std::string_view text) const 
 }
 
 std::string TiktokenTokenizer::token_bytes(int32_t id) const {
+  // A special id may also sit in a gap of the ranks (the loader allows that, not a clash).
+  if (const auto it = impl_->special_by_id.find(id); it != impl_->special_by_id.end()) return it->second;
   if (id >= 0 && id < impl_->n_ranks) return impl_->bytes_of[static_cast<size_t>(id)];
-  const auto it = impl_->special_by_id.find(id);
-  return it == impl_->special_by_id.end() ? std::string() : it->second;
+  return {};
 }
 
 int64_t TiktokenTokenizer::vocab_size() const {

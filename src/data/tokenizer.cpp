@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "data/bpe.h"
 #include "data/documents.h"
 #include "data/hf_tokenizer.h"
@@ -72,13 +73,15 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
   // Moonlight / Kimi: tiktoken.model (a directory holding one, or the file itself).
   if (TiktokenTokenizer::recognizes(file)) return std::make_unique<TiktokenTokenizer>(TiktokenTokenizer::load(file));
   if (fs::is_directory(file)) file /= "tokenizer.json";
-  const std::string text = read_whole_file(file);
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const std::string text = read_text_file_capped(file, "the tokenizer");
+  const nlohmann::json j =
+      nlohmann::json::parse(text, json_depth_limit<nlohmann::json>(file.string()), /*allow_exceptions=*/false);
   // The engine's own files keep their own reader (ids are the same either way, tested).
   if (j.is_discarded() || BpeTokenizer::own_layout(j))
     return std::make_unique<BpeTokenizer>(BpeTokenizer::from_json(text, file.string()));
   const fs::path config = file.parent_path() / "tokenizer_config.json";
-  const std::string config_text = fs::is_regular_file(config) ? read_whole_file(config) : "";
+  const std::string config_text =
+      fs::is_regular_file(config) ? read_text_file_capped(config, "the tokenizer config") : "";
   return std::make_unique<HfTokenizer>(HfTokenizer::from_parsed(j, file.string(), config_text, config.string()));
 }
 

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "data/documents.h"
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
@@ -38,7 +39,8 @@ std::vector<int32_t> generation_config_eos_ids(const fs::path& file) {
   if (!fs::is_regular_file(file)) return ids;
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(read_whole_file(file));
+    j = nlohmann::json::parse(read_text_file_capped(file, "the generation config"),
+                              json_depth_limit<nlohmann::json>(file.string()));
   } catch (const nlohmann::json::exception& e) {
     fail("{}: not valid JSON ({})", file.string(), e.what());
   }

@@ -13,6 +13,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "io/atomic_file.h"
 #include "io/fp8.h"
 #include "io/hf_config.h"
@@ -36,7 +37,13 @@ std::set<std::string> indexed_shards(const fs::path& index) {
   if (!in.good()) return shards;
   std::stringstream text;
   text << in.rdbuf();
-  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text.str(), json_depth_limit<nlohmann::json>(index.string()),
+                              /*allow_exceptions=*/false);
+  } catch (const Error&) {
+    return shards;
+  }
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) return shards;
   for (const auto& [tensor, file] : j["weight_map"].items()) {
     if (!file.is_string()) continue;

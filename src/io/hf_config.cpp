@@ -324,8 +324,12 @@ HfWeightsInfo parse_hf_weights_info(const json& j, const std::string& source) {
   w.model_type = f.string_or("model_type", "");
   w.num_hidden_layers = f.int_or("num_hidden_layers", 0);
   w.num_nextn_predict_layers = f.int_or("num_nextn_predict_layers", 0);
-  if (w.num_nextn_predict_layers < 0)
-    f.bad_value("num_nextn_predict_layers", "an integer >= 0", j["num_nextn_predict_layers"]);
+  // Read before the config is validated; bounded here so layer arithmetic cannot overflow.
+  const std::string layer_range = fmt::format("an integer in [0, {}]", kMaxConfigLayers);
+  if (w.num_hidden_layers < 0 || w.num_hidden_layers > kMaxConfigLayers)
+    f.bad_value("num_hidden_layers", layer_range.c_str(), j.at("num_hidden_layers"));
+  if (w.num_nextn_predict_layers < 0 || w.num_nextn_predict_layers > kMaxConfigLayers)
+    f.bad_value("num_nextn_predict_layers", layer_range.c_str(), j.at("num_nextn_predict_layers"));
   const json* q = f.get("quantization_config");
   if (q == nullptr) return w;
   if (!q->is_object()) f.wrong_type("quantization_config", "an object or null", *q);
@@ -344,11 +348,10 @@ HfWeightsInfo parse_hf_weights_info(const json& j, const std::string& source) {
   if (const std::string fmt = qf.string_or("fmt", "e4m3"); fmt != "e4m3")
     qf.bad_value("fmt", "\"e4m3\" (F8_E4M3 weights, as DeepSeek publishes them)", json(fmt));
   if (const json* b = qf.get("weight_block_size")) {
-    // Bounded like the model's sizes (model/config.cpp): block counts are rounded-up divisions.
-    constexpr int64_t kMaxBlock = int64_t{1} << 24;
+    // Bounded like the model's sizes: block counts are rounded-up divisions.
     // (An unsigned value above 2^63 reads back negative.)
     const auto in_range = [](const json& v) {
-      return v.is_number_integer() && v.get<int64_t>() > 0 && v.get<int64_t>() <= kMaxBlock;
+      return v.is_number_integer() && v.get<int64_t>() > 0 && v.get<int64_t>() <= kMaxConfigSize;
     };
     const bool ok = b->is_array() && b->size() == 2 && in_range((*b)[0]) && in_range((*b)[1]);
     if (!ok)

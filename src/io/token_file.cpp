@@ -11,16 +11,19 @@
 namespace moe {
 
 TokenBatch read_token_file(const std::filesystem::path& path) {
+  // A pipe or device has no size to check in advance (and opening a FIFO would block): only
+  // regular files are read.
+  std::error_code ec;
+  MOE_CHECK(std::filesystem::is_regular_file(path, ec) || !std::filesystem::exists(path, ec),
+            "{}: not a regular file; expected a file of token ids", path.string());
   std::ifstream in(path);
   MOE_CHECK(in.good(), "{}: cannot open token file", path.string());
   // Per byte of text at most: the line being read (1), the ids of one id per two bytes at 4 bytes
   // each with the list's growth room (4), then the tensor (2).
-  std::error_code ec;
   const auto file_bytes = std::filesystem::file_size(path, ec);
-  if (!ec)
-    check_load_bytes(path.string(), fmt::format("the ids of this {}-byte file", file_bytes),
-                     checked_size_product(static_cast<int64_t>(file_bytes), 7, path.string(),
-                                          "file size"));
+  MOE_CHECK(!ec, "{}: cannot tell its size ({})", path.string(), ec.message());
+  check_load_bytes(path.string(), fmt::format("the ids of this {}-byte file", file_bytes),
+                   checked_size_product(static_cast<int64_t>(file_bytes), 7, path.string(), "file size"));
   std::vector<int32_t> ids;
   int64_t batch = 0, seq = -1, line_no = 0, first_line = 0;
   std::string line;

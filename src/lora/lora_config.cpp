@@ -16,6 +16,8 @@ constexpr size_t kMaxTargetRegexBytes = 1024;
 // Backtracking steps one module name may cost: a name is under ~60 bytes, so a sensible pattern
 // needs a few hundred; ".*.*.*...x" needs exponentially many.
 constexpr uint32_t kRegexMatchLimit = 100000;
+// Backtracking memory one match may take (KiB).
+constexpr uint32_t kRegexHeapLimitKiB = 8192;
 
 struct RegexDeleter {
   void operator()(pcre2_code* code) const { pcre2_code_free(code); }
@@ -45,24 +47,41 @@ Regex compile_target_regex(const std::string& pattern, const std::string& sectio
   return code;
 }
 
-bool full_match(const std::string& pattern, const std::string& name) {
-  const Regex code = compile_target_regex(pattern, "lora");
-  const std::unique_ptr<pcre2_match_data, RegexDeleter> data(
-      pcre2_match_data_create_from_pattern(code.get(), nullptr));
-  const std::unique_ptr<pcre2_match_context, RegexDeleter> context(pcre2_match_context_create(nullptr));
-  pcre2_set_match_limit(context.get(), kRegexMatchLimit);
-  pcre2_set_depth_limit(context.get(), kRegexMatchLimit);
-  const int rc = pcre2_match(code.get(), reinterpret_cast<PCRE2_SPTR>(name.data()), name.size(), 0,
-                             PCRE2_ANCHORED | PCRE2_ENDANCHORED, data.get(), context.get());
-  MOE_CHECK(rc >= 0 || rc == PCRE2_ERROR_NOMATCH,
-            "target_regex \"{}\": matching module '{}' {}", pattern, name,
-            rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT
-                ? fmt::format("backtracks more than {} steps (nested repeats such as (.*)*?)", kRegexMatchLimit)
-                : fmt::format("failed (PCRE2 error {})", rc));
-  return rc >= 0;
-}
-
 }  // namespace
+
+// Compiled once per matcher: a model has tens of thousands of module names.
+class TargetRegex {
+ public:
+  explicit TargetRegex(const std::string& pattern)
+      : pattern_(pattern),
+        code_(compile_target_regex(pattern, "lora")),
+        data_(pcre2_match_data_create_from_pattern(code_.get(), nullptr)),
+        context_(pcre2_match_context_create(nullptr)) {
+    MOE_CHECK(data_ && context_, "target_regex \"{}\": out of memory", pattern);
+    pcre2_set_match_limit(context_.get(), kRegexMatchLimit);
+    pcre2_set_depth_limit(context_.get(), kRegexMatchLimit);
+    pcre2_set_heap_limit(context_.get(), kRegexHeapLimitKiB);
+  }
+
+  // Python's re.fullmatch(pattern, name) is not None.
+  bool full_match(const std::string& name) {
+    const int rc = pcre2_match(code_.get(), reinterpret_cast<PCRE2_SPTR>(name.data()), name.size(), 0,
+                               PCRE2_ANCHORED | PCRE2_ENDANCHORED, data_.get(), context_.get());
+    MOE_CHECK(rc >= 0 || rc == PCRE2_ERROR_NOMATCH, "target_regex \"{}\": matching module '{}' {}",
+              pattern_, name,
+              rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT
+                  ? fmt::format("backtracks more than {} steps (nested repeats such as (.*)*?)",
+                                kRegexMatchLimit)
+                  : fmt::format("failed (PCRE2 error {})", rc));
+    return rc >= 0;
+  }
+
+ private:
+  std::string pattern_;
+  Regex code_;
+  std::unique_ptr<pcre2_match_data, RegexDeleter> data_;
+  std::unique_ptr<pcre2_match_context, RegexDeleter> context_;
+};
 
 LoraShape LoraSettings::shape_for(bool routed_expert) const {
   const double rank = static_cast<double>(rank_for(routed_expert));
@@ -104,7 +123,8 @@ void LoraSettings::validate(const std::string& section) const {
 LoraTargetMatcher::LoraTargetMatcher(const LoraSettings& settings)
     : s_(settings),
       used_(settings.targets.size(), false),
-      parameter_used_(settings.target_parameters.size(), false) {}
+      parameter_used_(settings.target_parameters.size(), false),
+      regex_(settings.target_regex.empty() ? nullptr : std::make_shared<TargetRegex>(settings.target_regex)) {}
 
 namespace {
 
@@ -127,7 +147,7 @@ bool target_selects(const std::string& target, const std::string& name) {
 
 bool LoraTargetMatcher::matches(const std::string& module) {
   if (!s_.target_regex.empty()) {
-    const bool hit = full_match(s_.target_regex, module);
+    const bool hit = regex_->full_match(module);
     regex_used_ |= hit;
     return hit;
   }
@@ -148,7 +168,7 @@ bool LoraTargetMatcher::matches_parameter(const std::string& parameter) {
 }
 
 bool LoraTargetMatcher::names(const std::string& module) const {
-  if (!s_.target_regex.empty()) return full_match(s_.target_regex, module);
+  if (regex_) return regex_->full_match(module);
   for (const std::string& t : s_.targets)
     if (t != "all-linear" && target_selects(t, module)) return true;
   return false;

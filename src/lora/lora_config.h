@@ -3,6 +3,7 @@
 // the target modules, named by Hugging Face module names such as
 // "model.layers.3.self_attn.q_a_proj" or "model.layers.3.mlp.experts.17.gate_proj".
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -51,6 +52,9 @@ struct LoraSettings {
 
 // Decides module by module, and remembers which list entries matched something so that a
 // target naming nothing in the model is an error (as in PEFT) instead of a silent no-op.
+// A compiled target_regex (PCRE2; lora_config.cpp).
+class TargetRegex;
+
 class LoraTargetMatcher {
  public:
   explicit LoraTargetMatcher(const LoraSettings& settings);
@@ -74,6 +78,7 @@ class LoraTargetMatcher {
  private:
   const LoraSettings& s_;
   std::vector<bool> used_, parameter_used_;
+  std::shared_ptr<TargetRegex> regex_;  // compiled once; null without target_regex
   bool regex_used_ = false;
 };
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "core/rng.h"
 #include "data/documents.h"
 #include "io/hf_config.h"
@@ -451,7 +452,8 @@ void check_base_model(const fs::path& checkpoint_dir, const fs::path& model_dir,
   const fs::path file = checkpoint_dir / kBaseModelFile;
   MOE_CHECK(fs::is_regular_file(file), "{}: not an adapter checkpoint (no {})",
             checkpoint_dir.string(), kBaseModelFile);
-  const json saved = json::parse(read_whole_file(file), nullptr, /*allow_exceptions=*/false);
+  const json saved = json::parse(read_text_file_capped(file, "the base model record"),
+                                 json_depth_limit<json>(file.string()), /*allow_exceptions=*/false);
   MOE_CHECK(saved.is_object() && saved.contains("fingerprint") && saved["fingerprint"].is_string(),
             "{}: malformed (expected \"path\" and \"fingerprint\")", file.string());
   const std::string want = saved["fingerprint"].get<std::string>();

@@ -10,11 +10,7 @@ namespace moe {
 
 namespace {
 
-// Sizes from config.json multiply into parameter counts, FLOPs, memory plans and tensor shapes.
-// Each is bounded far above any release (DeepSeek-V3: vocabulary 129,280, 61 layers) so that a
-// product of a few fits in 128 bits; the model's total then bounds every product inside 64.
-constexpr int64_t kMaxConfigSize = int64_t{1} << 24;
-constexpr int64_t kMaxConfigLayers = int64_t{1} << 12;
+// The total parameter count's bound (kMaxConfigSize and kMaxConfigLayers: model/config.h).
 constexpr int64_t kMaxConfigParams = int64_t{1} << 56;
 
 // The bounds above, then the total parameter count (defined below, beside the count).

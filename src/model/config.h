@@ -6,6 +6,12 @@
 
 namespace moe {
 
+// Sizes from config.json multiply into parameter counts, FLOPs, memory plans and tensor shapes.
+// Each is bounded far above any release (DeepSeek-V3: vocabulary 129,280, 61 layers) so that a
+// product of a few fits in 128 bits; the model's total then bounds every product inside 64.
+inline constexpr int64_t kMaxConfigSize = int64_t{1} << 24;
+inline constexpr int64_t kMaxConfigLayers = int64_t{1} << 12;
+
 struct RopeScaling {
   std::string type;  // "" (none) or "yarn"
   double factor = 1.0;

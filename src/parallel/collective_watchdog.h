@@ -12,7 +12,8 @@
 // job, the stalled rank included.
 //
 // Long but legitimate one-sided work that other ranks wait for in a barrier (rank 0 writing a
-// checkpoint) runs inside a CollectiveWatchdog::Exempt scope, where waits are not timed.
+// checkpoint) runs inside a CollectiveWatchdog::SlowPhase scope, where waits are timed against a
+// second, longer limit: a disk that hangs for good still ends the job, a slow one does not.
 #include <cstdint>
 #include <memory>
 
@@ -20,11 +21,16 @@ namespace moe {
 
 class CollectiveWatchdog {
  public:
+  // A limit on one wait, and what sets it, for the message (e.g. "parallel.collective_timeout").
+  // seconds <= 0: such waits are never timed.
+  struct Limit {
+    double seconds = 0;
+    const char* setting = "";
+  };
   // Arms the process's watchdog for the lifetime of this object: a wait in a collective longer
-  // than `seconds` ends the process. seconds <= 0 leaves it disarmed (nothing is started).
-  // `setting` names what sets the limit, for the message (e.g. "parallel.collective_timeout").
-  // One armed watchdog per process at a time.
-  CollectiveWatchdog(double seconds, int rank, const char* setting);
+  // than `waits.seconds` (inside a SlowPhase: `slow_phase_waits.seconds`) ends the process. With
+  // neither limit positive nothing is started. One armed watchdog per process at a time.
+  CollectiveWatchdog(Limit waits, Limit slow_phase_waits, int rank);
   ~CollectiveWatchdog();
   CollectiveWatchdog(const CollectiveWatchdog&) = delete;
   CollectiveWatchdog& operator=(const CollectiveWatchdog&) = delete;
@@ -32,13 +38,13 @@ class CollectiveWatchdog {
   // The training step in progress, for the message (-1: none).
   static void set_step(int64_t step);
 
-  // While one exists anywhere in the process, waits are not timed.
-  class Exempt {
+  // While one exists anywhere in the process, waits are timed against the slow-phase limit.
+  class SlowPhase {
    public:
-    Exempt();
-    ~Exempt();
-    Exempt(const Exempt&) = delete;
-    Exempt& operator=(const Exempt&) = delete;
+    SlowPhase();
+    ~SlowPhase();
+    SlowPhase(const SlowPhase&) = delete;
+    SlowPhase& operator=(const SlowPhase&) = delete;
   };
 
  private:

@@ -1,5 +1,7 @@
 #include "train/checkpoint_state.h"
 
+#include <fcntl.h>
+#include <stdio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/limits.h"
 #include "parallel/communicator.h"
 #include "parallel/ep_training.h"
 #include "io/atomic_file.h"
@@ -201,11 +204,20 @@ fs::path save_checkpoint_dir(const fs::path& checkpoints_dir, const TrainerState
 
   fs::path final_dir = checkpoints_dir / step_name;
   if (main) {
-    // Re-saving a step (a resumed run finishing where it started): move the old copy aside
-    // first, because rename cannot replace a non-empty directory.
+    // Re-saving a step (a resumed run finishing where it started): rename cannot replace a
+    // non-empty directory, so the two are swapped in one step (the old copy then carries the
+    // temporary name, which the next save removes); a kill at any moment leaves one complete
+    // step_N. File systems without RENAME_EXCHANGE move the old copy aside first.
     const fs::path old = checkpoints_dir / (kOldPrefix + std::to_string(state.step));
-    if (fs::exists(final_dir)) fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
+    if (!fs::exists(final_dir)) {
+      fs::rename(tmp, final_dir);
+    } else if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+      fsync_directory(checkpoints_dir);
+      fs::remove_all(tmp);
+    } else {
+      fs::rename(final_dir, old);
+      fs::rename(tmp, final_dir);
+    }
     fsync_directory(checkpoints_dir);
     fs::remove_all(old);
 
@@ -244,7 +256,7 @@ TrainerState read_trainer_state(const fs::path& dir) {
   MOE_CHECK(in.good(), "{}: not a checkpoint (no {})", dir.string(), kTrainerStateFile);
   std::stringstream text;
   text << in.rdbuf();
-  const json j = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  const json j = json::parse(text.str(), json_depth_limit<json>(file.string()), /*allow_exceptions=*/false);
   MOE_CHECK(j.is_object() && j.value("format", "") == "moe-trainer-state",
             "{}: not a moe trainer state", file.string());
   TrainerState s;

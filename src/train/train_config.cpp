@@ -68,6 +68,7 @@ ConfigKeys bind(TrainConfig& c) {
   k.add_string("run.out_dir", &c.run.out_dir);
   k.add_int("parallel.ep", &c.parallel.ep, at_least_one);
   k.add_int("parallel.collective_timeout", &c.parallel.collective_timeout, non_negative);
+  k.add_int("parallel.checkpoint_timeout", &c.parallel.checkpoint_timeout, non_negative);
 
   k.add_int("lora.r", &c.lora.r, at_least_one);
   k.add_float("lora.alpha", &c.lora.alpha, positive);

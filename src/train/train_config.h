@@ -87,9 +87,12 @@ struct TrainConfig {
     // Each rank holds E / ep experts; the W / ep ranks with the same experts are replicas.
     int64_t ep = 1;
     // Seconds a rank may wait inside one collective before the job is ended as stalled (a rank
-    // stopped or hung without dying); 0: wait forever. Only waits are timed, never compute or
-    // checkpoint writes (src/parallel/collective_watchdog.h).
+    // stopped or hung without dying); 0: wait forever. Only waits are timed, never compute
+    // (src/parallel/collective_watchdog.h).
     int64_t collective_timeout = 600;
+    // The same while a checkpoint is written, when ranks wait for one rank's disk writes;
+    // 0: wait forever.
+    int64_t checkpoint_timeout = 3600;
   } parallel;
 };
 

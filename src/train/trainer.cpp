@@ -255,9 +255,13 @@ class TrainingRun {
     interrupt_ = &interrupt;
     // Armed only now: start-up and restore do uneven work per rank (rank 0 reads more), which
     // the others may legitimately wait for.
+    const bool several_ranks = world().size() > 1;
     const CollectiveWatchdog watchdog(
-        world().size() > 1 ? static_cast<double>(cfg_.parallel.collective_timeout) : 0.0,
-        world().rank(), "parallel.collective_timeout");
+        {several_ranks ? static_cast<double>(cfg_.parallel.collective_timeout) : 0.0,
+         "parallel.collective_timeout"},
+        {several_ranks ? static_cast<double>(cfg_.parallel.checkpoint_timeout) : 0.0,
+         "parallel.checkpoint_timeout"},
+        world().rank());
     while (st_.step < cfg_.schedule.steps) {
       const StepOutcome s = step();
       const bool last = st_.step == cfg_.schedule.steps;
@@ -616,8 +620,9 @@ class TrainingRun {
     writers.ep_size = groups_.ep_size;
     writers.ep_rank = groups_.ep_rank;
     writers.writes_experts = groups_.writes_experts();
-    // The other ranks wait in barriers while rank 0 writes, for as long as the disk takes.
-    const CollectiveWatchdog::Exempt slow_writes;
+    // The other ranks wait in barriers while rank 0 writes, for as long as the disk takes
+    // (up to parallel.checkpoint_timeout).
+    const CollectiveWatchdog::SlowPhase slow_writes;
     try {
       save(extra, writers);
     } catch (const std::exception& e) {

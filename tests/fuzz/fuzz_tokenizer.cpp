@@ -8,13 +8,7 @@
 using namespace moe;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  std::string_view rest = fuzz::as_text(data, size);
-  std::string_view parts[3];
-  for (int i = 0; i < 3; ++i) {
-    const size_t nul = i < 2 ? rest.find('\0') : std::string_view::npos;
-    parts[i] = rest.substr(0, nul);
-    rest = nul == std::string_view::npos ? std::string_view() : rest.substr(nul + 1);
-  }
+  const auto parts = fuzz::split_at_nuls<3>(fuzz::as_text(data, size));
   fuzz::expect_ok_or_error([&] {
     const HfTokenizer t = HfTokenizer::from_json(std::string(parts[0]), "tokenizer.json", std::string(parts[1]));
     const std::vector<int32_t> ids = t.encode(parts[2]);

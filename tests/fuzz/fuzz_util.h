@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +20,19 @@ namespace moe::fuzz {
 
 inline std::string_view as_text(const uint8_t* data, size_t size) {
   return {reinterpret_cast<const char*>(data), size};
+}
+
+// An input of several files: `input` cut at its first N - 1 NUL bytes (missing parts are empty;
+// the last part may hold NULs).
+template <size_t N>
+std::array<std::string_view, N> split_at_nuls(std::string_view input) {
+  std::array<std::string_view, N> parts;
+  for (size_t i = 0; i < N; ++i) {
+    const size_t nul = i + 1 < N ? input.find('\0') : std::string_view::npos;
+    parts[i] = input.substr(0, nul);
+    input = nul == std::string_view::npos ? std::string_view() : input.substr(nul + 1);
+  }
+  return parts;
 }
 
 // The input as an anonymous in-memory file, opened by path (/proc/self/fd/N) like a file on
