@@ -8,7 +8,6 @@
 #include <cstring>
 #include <exception>
 #include <limits>
-#include <optional>
 #include <vector>
 
 #include "core/error.h"
@@ -101,6 +100,20 @@ void mpi_check(int rc, const char* call) {
   fail("{} failed: {}", call, msg);
 }
 
+// A blocking collective, timed by the collective watchdog while it runs; returns its MPI code
+// (callers free their datatypes before checking it).
+template <typename Call>
+int timed_collective(const char* what, Call&& call) {
+  const CollectiveWait wait(what);
+  return call();
+}
+
+// The same, checked: an error names `what`.
+template <typename Call>
+void collective(const char* what, Call&& call) {
+  mpi_check(timed_collective(what, call), what);
+}
+
 int to_int(int64_t v, const char* what) {
   MOE_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(),
             "{} = {} does not fit MPI's 32-bit count (larger exchanges are not supported: split "
@@ -190,8 +203,7 @@ std::unique_ptr<MpiCommunicator> MpiCommunicator::world() {
 std::string MpiCommunicator::name() const { return "mpi(" + std::to_string(size_) + ")"; }
 
 void MpiCommunicator::barrier() {
-  const CollectiveWait wait("MPI_Barrier");
-  mpi_check(MPI_Barrier(impl_->comm), "MPI_Barrier");
+  collective("MPI_Barrier", [&] { return MPI_Barrier(impl_->comm); });
 }
 
 namespace {
@@ -235,19 +247,18 @@ void deterministic_sum(MPI_Comm comm, int rank, int size, T* data, int64_t n, in
       rdispls[static_cast<size_t>(j)] = mine * j;
     }
     recv.resize(static_cast<size_t>(mine) * static_cast<size_t>(size));
-    std::optional<CollectiveWait> wait(std::in_place, "MPI_Alltoallv (all_reduce_sum)");
-    mpi_check(MPI_Alltoallv(d, counts.data(), displs.data(), type, recv.data(), rcounts.data(),
-                            rdispls.data(), type, comm),
-              "MPI_Alltoallv (all_reduce_sum)");
-    wait.reset();
+    collective("MPI_Alltoallv (all_reduce_sum)", [&] {
+      return MPI_Alltoallv(d, counts.data(), displs.data(), type, recv.data(), rcounts.data(),
+                           rdispls.data(), type, comm);
+    });
     acc.assign(recv.begin(), recv.begin() + mine);
     for (int r = 1; r < size; ++r) {
       const T* src = recv.data() + static_cast<size_t>(r) * static_cast<size_t>(mine);
       for (int i = 0; i < mine; ++i) acc[static_cast<size_t>(i)] += src[i];
     }
-    wait.emplace("MPI_Allgatherv (all_reduce_sum)");
-    mpi_check(MPI_Allgatherv(acc.data(), mine, type, d, counts.data(), displs.data(), type, comm),
-              "MPI_Allgatherv (all_reduce_sum)");
+    collective("MPI_Allgatherv (all_reduce_sum)", [&] {
+      return MPI_Allgatherv(acc.data(), mine, type, d, counts.data(), displs.data(), type, comm);
+    });
   }
 }
 
@@ -266,9 +277,9 @@ void MpiCommunicator::all_reduce_sum(int64_t* data, int64_t n) {
 void MpiCommunicator::all_reduce_min(int64_t* data, int64_t n) {
   for (int64_t c0 = 0; c0 < n; c0 += kReduceChunk) {
     const int c = static_cast<int>(std::min(kReduceChunk, n - c0));
-    const CollectiveWait wait("MPI_Allreduce (all_reduce_min)");
-    mpi_check(MPI_Allreduce(MPI_IN_PLACE, data + c0, c, MPI_INT64_T, MPI_MIN, impl_->comm),
-              "MPI_Allreduce (all_reduce_min)");
+    collective("MPI_Allreduce (all_reduce_min)", [&] {
+      return MPI_Allreduce(MPI_IN_PLACE, data + c0, c, MPI_INT64_T, MPI_MIN, impl_->comm);
+    });
   }
 }
 
@@ -276,8 +287,8 @@ void MpiCommunicator::all_to_all(const int64_t* send, int64_t* recv, int64_t n) 
   const int c = to_int(n, "all_to_all: elements per rank");
   MOE_CHECK(n * size_ <= std::numeric_limits<int>::max(), "all_to_all: {} elements in all",
             n * size_);
-  const CollectiveWait wait("MPI_Alltoall");
-  mpi_check(MPI_Alltoall(send, c, MPI_INT64_T, recv, c, MPI_INT64_T, impl_->comm), "MPI_Alltoall");
+  collective("MPI_Alltoall",
+             [&] { return MPI_Alltoall(send, c, MPI_INT64_T, recv, c, MPI_INT64_T, impl_->comm); });
 }
 
 void MpiCommunicator::all_to_all_v(const float* send, const int64_t* send_rows, float* recv,
@@ -302,10 +313,9 @@ void MpiCommunicator::all_to_all_v(const float* send, const int64_t* send_rows, 
   mpi_check(MPI_Type_contiguous(to_int(row_width, "all_to_all_v: row width"), MPI_FLOAT, &row),
             "MPI_Type_contiguous");
   mpi_check(MPI_Type_commit(&row), "MPI_Type_commit");
-  std::optional<CollectiveWait> wait(std::in_place, "MPI_Alltoallv (all_to_all_v)");
-  const int rc_call =
-      MPI_Alltoallv(send, sc.data(), sd.data(), row, recv, rc.data(), rd.data(), row, impl_->comm);
-  wait.reset();
+  const int rc_call = timed_collective("MPI_Alltoallv (all_to_all_v)", [&] {
+    return MPI_Alltoallv(send, sc.data(), sd.data(), row, recv, rc.data(), rd.data(), row, impl_->comm);
+  });
   MPI_Type_free(&row);
   mpi_check(rc_call, "MPI_Alltoallv");
 }
@@ -337,10 +347,10 @@ void MpiCommunicator::all_to_all_rows(const float* send, const std::vector<RowRu
     indexed(to[j], st[j], sc[j]);
     indexed(from[j], rt[j], rc[j]);
   }
-  std::optional<CollectiveWait> wait(std::in_place, "MPI_Alltoallw (all_to_all_rows)");
-  const int rc_call = MPI_Alltoallw(send, sc.data(), zero.data(), st.data(), recv, rc.data(),
-                                    zero.data(), rt.data(), impl_->comm);
-  wait.reset();
+  const int rc_call = timed_collective("MPI_Alltoallw (all_to_all_rows)", [&] {
+    return MPI_Alltoallw(send, sc.data(), zero.data(), st.data(), recv, rc.data(), zero.data(),
+                         rt.data(), impl_->comm);
+  });
   for (size_t j = 0; j < W; ++j) {
     if (sc[j]) MPI_Type_free(&st[j]);
     if (rc[j]) MPI_Type_free(&rt[j]);
@@ -351,8 +361,7 @@ void MpiCommunicator::all_to_all_rows(const float* send, const std::vector<RowRu
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   auto impl = std::make_unique<Impl>();
-  const CollectiveWait wait("MPI_Comm_split");
-  mpi_check(MPI_Comm_split(impl_->comm, color, key, &impl->comm), "MPI_Comm_split");
+  collective("MPI_Comm_split", [&] { return MPI_Comm_split(impl_->comm, color, key, &impl->comm); });
   impl->owned = true;
   mpi_check(MPI_Comm_set_errhandler(impl->comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   return std::unique_ptr<Communicator>(new MpiCommunicator(std::move(impl)));
