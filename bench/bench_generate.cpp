@@ -9,12 +9,17 @@
 //    the fp32 FMA peak;
 //  * cached decode vs a full recompute of the context per token (what `moe sample` did before
 //    the cache), at 256 and 1024 tokens of context.
+// Decode and prefill run with the exact expert matmuls and with int8 expert activations
+// (--expert-activations, moe/expert_activations.h), alternated, so their ratio is from one run.
 // The model: hidden 1024, 4 layers, MLA (kv_lora_rank 256, 8 heads of 64 + 32 rope, v 64),
 // 64 routed experts of width 704 (top-6, MXFP4: 73.5 MB per layer, far beyond the LLC) + 1
 // shared, vocabulary 8192, random weights.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <fmt/format.h>
+#include <string>
+#include <vector>
 
 #include "core/parallel.h"
 #include "core/simd.h"
@@ -111,15 +116,25 @@ Tensor random_ids(int64_t n, int64_t vocab, uint64_t seed) {
 int main(int argc, char** argv) {
   CLI::App app{"cached decoding and prefill against DRAM bandwidth and the FMA peak"};
   int threads = available_cpus();
-  int64_t layers = 4, decode_tokens = 64;
+  int64_t layers = 4, decode_tokens = 64, rounds = 3;
+  std::string activations = "both";
   bool quick = false;
   app.add_option("--threads", threads);
   app.add_option("--layers", layers, "model layers (each 73.5 MB of packed experts)");
   app.add_option("--tokens", decode_tokens, "tokens decoded per measurement");
+  app.add_option("--expert-activations", activations,
+                 "routed experts' forward for decode and prefill: fp32 (exact), int8, or both "
+                 "(alternated round by round, so their ratio comes from the same run)")
+      ->check(CLI::IsMember({"fp32", "int8", "both"}))->capture_default_str();
+  app.add_option("--rounds", rounds, "decode and prefill measurements per mode (best kept)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
   app.add_flag("--quick", quick, "small sizes, to check that it runs");
   CLI11_PARSE(app, argc, argv);
   set_num_threads(threads);
-  if (quick) layers = 1, decode_tokens = 4;
+  if (quick) layers = 1, decode_tokens = 4, rounds = 1;
+  std::vector<ExpertActivations> modes;
+  if (activations != "int8") modes.push_back(ExpertActivations::Fp32);
+  if (activations != "fp32") modes.push_back(ExpertActivations::Int8);
 
   const ModelConfig cfg = bench_config(layers);
   DeepSeekModel model(cfg);
@@ -136,7 +151,7 @@ int main(int argc, char** argv) {
 
   // Decode: one sequence after a 64-token prompt; the first generated token comes with the
   // prompt's forward, so the timed steps are the decode steps alone.
-  {
+  const auto decode_tokens_per_second = [&] {
     const std::unique_ptr<Tokenizer> tok = make_byte_tokenizer();
     EngineOptions o;
     o.max_sequences = 1;
@@ -152,31 +167,44 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     int64_t steps = 0;
     while (engine.step()) ++steps;
-    const double s = seconds_since(t0), tps = static_cast<double>(steps) / s;
-    const double gbs = cost.bytes * tps / 1e9;
-    fmt::print("decode, 1 sequence:   {:7.1f} tokens/s, {:6.1f} GB/s of weights = {:.2f} of DRAM "
+    return static_cast<double>(steps) / seconds_since(t0);
+  };
+  // Prefill: 512 tokens in one chunk.
+  const int64_t prefill_n = quick ? 64 : 512;
+  const auto prefill_seconds = [&] {
+    LatentKvCache cache(cfg, 1, prefill_n);
+    const Tensor ids = random_ids(prefill_n, cfg.vocab_size, 5);
+    const CachedChunk chunk{0, 0, prefill_n};
+    (void)model.forward_cached(ids, {&chunk, 1}, cache.layers());  // warm-up
+    const auto t0 = std::chrono::steady_clock::now();
+    (void)model.forward_cached(ids, {&chunk, 1}, cache.layers());
+    return seconds_since(t0);
+  };
+  // Modes alternate within each round, so a slow phase of a loaded machine hits both.
+  std::vector<double> decode_best(modes.size(), 0.0), prefill_best(modes.size(), 1e30);
+  for (int64_t round = 0; round < rounds; ++round)
+    for (size_t i = 0; i < modes.size(); ++i) {
+      model.set_expert_activations(modes[i]);
+      decode_best[i] = std::max(decode_best[i], decode_tokens_per_second());
+      prefill_best[i] = std::min(prefill_best[i], prefill_seconds());
+    }
+  model.set_expert_activations(ExpertActivations::Fp32);
+  const double prefill_flops =
+      2.0 * (cost.macs * static_cast<double>(prefill_n) + attention_macs(cfg, 0, prefill_n));
+  for (size_t i = 0; i < modes.size(); ++i) {
+    const double tps = decode_best[i], gbs = cost.bytes * tps / 1e9;
+    const double gflops = prefill_flops / prefill_best[i] / 1e9;
+    fmt::print("{} expert activations, best of {}:\n", expert_activations_name(modes[i]), rounds);
+    fmt::print("  decode, 1 sequence:   {:7.1f} tokens/s, {:6.1f} GB/s of weights = {:.2f} of DRAM "
                "read bandwidth\n",
                tps, gbs, gbs / dram);
+    fmt::print("  prefill, {} tokens: {:7.1f} tokens/s, {:6.1f} GFLOP/s = {:.2f} of the FMA peak\n",
+               prefill_n, static_cast<double>(prefill_n) / prefill_best[i], gflops,
+               gflops / peak.gflops);
   }
-
-  // Prefill: 512 tokens in one chunk.
-  {
-    const int64_t n = quick ? 64 : 512;
-    LatentKvCache cache(cfg, 1, n);
-    const Tensor ids = random_ids(n, cfg.vocab_size, 5);
-    const CachedChunk chunk{0, 0, n};
-    (void)model.forward_cached(ids, {&chunk, 1}, cache.layers());  // warm-up
-    double best = 1e30;
-    for (int rep = 0; rep < 3; ++rep) {
-      const auto t0 = std::chrono::steady_clock::now();
-      (void)model.forward_cached(ids, {&chunk, 1}, cache.layers());
-      best = std::min(best, seconds_since(t0));
-    }
-    const double flops =
-        2.0 * (cost.macs * static_cast<double>(n) + attention_macs(cfg, 0, n));
-    fmt::print("prefill, {} tokens: {:7.1f} tokens/s, {:6.1f} GFLOP/s = {:.2f} of the FMA peak\n",
-               n, static_cast<double>(n) / best, flops / best / 1e9, flops / best / 1e9 / peak.gflops);
-  }
+  if (modes.size() == 2)
+    fmt::print("int8 / fp32 expert activations: decode {:.2f}x, prefill {:.2f}x\n",
+               decode_best[1] / decode_best[0], prefill_best[0] / prefill_best[1]);
 
   // Cached decode vs recomputing the whole context for each token.
   fmt::print("\ncontext  cached tokens/s  recompute tokens/s  speed-up\n");

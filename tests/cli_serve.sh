@@ -6,7 +6,10 @@
 # streaming, concurrent streams, a client that disconnects, malformed requests, memory flat over
 # 1,000 requests); a second server with one slot and one queue place refuses the overflow with
 # 503; under mpirun at EP 2 the greedy completion equals one process's; SIGTERM during a long
-# stream lets it finish, then the server exits 0.
+# stream lets it finish, then the server exits 0. --expert-activations int8 over the experts
+# packed by `moe quantize`: `moe logits` moves, replies at 1 and 2 threads and EP 2 agree (and
+# some differ from the exact path's), the server's greedy text equals `moe generate`'s, fp32
+# experts are refused.
 # Usage: cli_serve.sh MOE MPIRUN WORK_DIR
 set -u
 moe=$1 mpirun=$2 work=$3
@@ -66,6 +69,44 @@ if [ -x "$(command -v "$mpirun")" ]; then
     --prompts prompts.txt --temperature 0.9 --seed 5 --output ep.jsonl --quiet > ep.log 2>&1 || { cat ep.log; fail "generate --ep 2"; }
   cmp -s ep.jsonl batched.jsonl || fail "generate at EP 2 differs from one process"
 fi
+
+# --expert-activations int8 (MXFP4 experts, inference only) on the checkpoint's experts packed by
+# `moe quantize`: the logits move off the exact path's (the option switches the kernel); 20
+# sampled replies are the same at 1 and 2 threads and at EP 2, and some of them differ from the
+# exact path's, so an EP rank left exact would show; fp32 experts are refused with one message
+# naming the option; a server runs it (its greedy text equals `moe generate`'s).
+"$moe" quantize --model "$ck" --out packed > quantize.log 2>&1 || { cat quantize.log; fail "quantize"; }
+echo "1 2 3 4 5 6 7 8 9 10" > ids.txt
+"$moe" --threads 1 logits --model packed --tokens ids.txt --out exact.safetensors > /dev/null || fail "logits"
+"$moe" --threads 1 logits --model packed --tokens ids.txt --out int8.safetensors \
+  --expert-activations int8 > /dev/null || fail "logits --expert-activations int8"
+cmp -s exact.safetensors int8.safetensors && fail "--expert-activations int8 left the logits unchanged"
+for i in $(seq 1 20); do echo "prompt number $i: the word was"; done > many.txt
+sampled=(generate --model packed --prompts many.txt --max-tokens 32 --temperature 0.9 --top-k 20 --seed 3)
+"$moe" --threads 1 "${sampled[@]}" --output exact.jsonl --quiet || fail "generate over MXFP4 experts"
+"$moe" --threads 1 "${sampled[@]}" --expert-activations int8 --output q8_t1.jsonl 2> q8_gen.err \
+  || { cat q8_gen.err; fail "int8 generate"; }
+grep -q "forwards, int8 expert activations$" q8_gen.err || fail "no int8 note on the tokens/s line: $(cat q8_gen.err)"
+cmp -s exact.jsonl q8_t1.jsonl && fail "no sampled reply differs between fp32 and int8 expert activations: the EP check below could not tell an exact rank from an int8 one (use more prompts or tokens)"
+"$moe" --threads 2 "${sampled[@]}" --expert-activations int8 --output q8_t2.jsonl --quiet || fail "int8 generate, 2 threads"
+cmp -s q8_t1.jsonl q8_t2.jsonl || fail "int8 replies differ between 1 and 2 threads"
+if [ -x "$(command -v "$mpirun")" ]; then
+  timeout 120 "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$moe" --threads 1 "${sampled[@]}" \
+    --expert-activations int8 --ep 2 --output q8_ep.jsonl --quiet > q8_ep.log 2>&1 || { cat q8_ep.log; fail "int8 generate --ep 2"; }
+  cmp -s q8_ep.jsonl q8_t1.jsonl || fail "int8 generate at EP 2 differs from one process"
+fi
+"$moe" --threads 1 generate --model "$ck" --expert-activations int8 --prompt x 2> err.txt && fail "int8 over fp32 experts must fail"
+[ "$(grep -c -- "--expert-activations int8 needs routed experts in MXFP4" err.txt)" -eq 1 ] || fail "fp32 experts message: $(cat err.txt)"
+grep -q "routed experts are fp32; use --expert-activations fp32" err.txt || fail "fp32 experts message: $(cat err.txt)"
+"$moe" --threads 1 generate --model packed --expert-activations int4 --prompt x 2> err.txt && fail "an unknown value must fail"
+grep -q -- "--expert-activations: int4 not in {fp32,int8}" err.txt || fail "unknown value message: $(cat err.txt)"
+prompt=$(python3 -c "import sys; sys.path.insert(0, '$(dirname "$client")'); import serve_client; print(serve_client.PROMPT)")
+"$moe" --threads 1 generate --model packed --expert-activations int8 --prompt "$prompt" --max-tokens 12 \
+  --temperature 0 --output q8_greedy.jsonl --quiet || fail "int8 greedy"
+python3 -c "import json; print(json.loads(open('q8_greedy.jsonl').read())['text'], end='')" > q8_greedy.txt
+start_server q8 "$moe" --threads 1 serve --model packed --port 0 --expert-activations int8
+python3 "$client" greedy "$port" q8_greedy.txt || fail "int8 server greedy"
+stop_server q8
 
 start_server main "$moe" --threads 1 serve --model "$ck" --port 0 --slots 4
 main_launched=$launched main_pid=$server_pid main_port=$port

@@ -4,8 +4,9 @@
 # MXFP4 experts, its adapters saved in PEFT's layout for Hugging Face's deepseek_v4 (fused
 # experts via target_parameters), at EP 2 with one process's losses; the adapter generates the
 # same greedy text unmerged as merged; the model is written in DeepSeek's release layout (FP8 +
-# E8M0 tile scales, MXFP4 experts) and generates from it; it is served over HTTP, where a greedy
-# completion equals `moe generate`'s.
+# E8M0 tile scales, MXFP4 experts) and generates from it, also with int8 expert activations (the
+# same replies at 1 and 2 threads and at EP 2, some unlike the exact path's); it is served over
+# HTTP, where a greedy completion equals `moe generate`'s.
 # Usage: cli_v4.sh MOE MPIRUN WORK_DIR
 set -u
 moe=$1 mpirun=$2 work=$3
@@ -93,6 +94,27 @@ PY
 cmp -s released/model.safetensors released_again/model.safetensors || fail "released layout not reproducible"
 "$moe" convert --model merged --out released --layout released > bad.log 2>&1 && fail "a non-empty --out must fail"
 grep -q "already exists" bad.log || { cat bad.log; fail "--out message"; }
+
+# Int8 expert activations over the released layout's MXFP4 experts (the hash-routed layer
+# included): the logits move off the exact path's; 20 sampled replies are the same at 1 and 2
+# threads and at EP 2, and some differ from the exact path's (so an EP rank left exact would show).
+echo "1 2 3 4 5 6 7 8 9 10" > ids.txt
+"$moe" --threads 1 logits --model released --tokens ids.txt --out exact.safetensors > /dev/null || fail "V4 logits"
+"$moe" --threads 1 logits --model released --tokens ids.txt --out int8.safetensors \
+  --expert-activations int8 > /dev/null || fail "V4 logits --expert-activations int8"
+cmp -s exact.safetensors int8.safetensors && fail "V4: --expert-activations int8 left the logits unchanged"
+for i in $(seq 1 20); do echo "prompt number $i: the word was"; done > many.txt
+sampled=(generate --model released --prompts many.txt --max-tokens 32 --temperature 0.9 --top-k 20 --seed 3 --quiet)
+"$moe" --threads 1 "${sampled[@]}" --output exact.jsonl 2> gen.err || { cat gen.err; fail "V4 generate"; }
+"$moe" --threads 1 "${sampled[@]}" --expert-activations int8 --output q8_t1.jsonl 2> gen.err || { cat gen.err; fail "V4 int8 generate"; }
+cmp -s exact.jsonl q8_t1.jsonl && fail "V4: no sampled reply differs between fp32 and int8 expert activations (use more prompts or tokens)"
+"$moe" --threads 2 "${sampled[@]}" --expert-activations int8 --output q8_t2.jsonl 2> gen.err || { cat gen.err; fail "V4 int8 generate, 2 threads"; }
+cmp -s q8_t1.jsonl q8_t2.jsonl || fail "V4 int8 replies differ between 1 and 2 threads"
+if [ -x "$(command -v "$mpirun")" ]; then
+  timeout 120 "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$moe" --threads 1 "${sampled[@]}" \
+    --expert-activations int8 --ep 2 --output q8_ep.jsonl > q8_ep.log 2>&1 || { cat q8_ep.log; fail "V4 int8 generate --ep 2"; }
+  cmp -s q8_ep.jsonl q8_t1.jsonl || fail "V4 int8 generate at EP 2 differs from one process"
+fi
 
 # Serving: a greedy completion over HTTP equals moe generate's text.
 greedy base.jsonl > greedy.txt

@@ -1,9 +1,10 @@
 // Generation under expert parallelism (issue 12): rank 0 runs the engine, every other rank serves
 // its routed experts to rank 0's forwards (GenerationEngine + serve_experts). At EP = world size
-// (1, 2 or 4 ranks) the generated ids equal one process's with every expert; over 1,000 decode
-// steps (MOE_MEMORY_STEPS) of a steady stream of requests no rank's tracked memory moves (per category) and RSS
-// stays within 1%, so no dispatch handle or buffer outlives its step. (One sequence decoding
-// 1,000 tokens legitimately grows by its own ids and text, a few bytes per token.)
+// (1, 2 or 4 ranks) the generated ids equal one process's with every expert, with exact and with
+// int8 expert activations; over 1,000 decode steps (MOE_MEMORY_STEPS) of a steady stream of
+// requests no rank's tracked memory moves (per category) and RSS stays within 1%, so no dispatch
+// handle or buffer outlives its step. (One sequence decoding 1,000 tokens legitimately grows by
+// its own ids and text, a few bytes per token.)
 //
 // Collectives must line up on every rank, so no ASSERT between the engine's start and its
 // shutdown; ctest's TIMEOUT turns a hang into a failure.
@@ -87,6 +88,54 @@ TEST(DistGenerate, ExpertParallelGenerationEqualsOneProcess) {
     EXPECT_EQ(split[static_cast<size_t>(i)], whole[static_cast<size_t>(i)]) << "request " << i;
   }
 }
+
+// Int8 expert activations (inference only): each rank runs the int8 kernel on the rows its
+// experts receive, so the split model generates what one process with every expert does, V3 and
+// V4 (hash-routed layers included) alike.
+class DistGenerateInt8 : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(DistGenerateInt8, ExpertParallelGenerationEqualsOneProcess) {
+  const ModelConfig cfg = config(GetParam());
+  const ExpertParallelGroups groups =
+      make_expert_parallel_groups(g_world, g_world->size(), cfg.n_routed_experts, "ep");
+  const std::unique_ptr<CausalLM> model = make_causal_lm(cfg, make_dispatcher(groups));
+  model->init_weights(4);
+  model->set_expert_activations(ExpertActivations::Int8);
+  const std::unique_ptr<Tokenizer> tok = make_byte_tokenizer();
+  constexpr int kRequests = 3;
+  if (g_world->rank() != 0) {
+    serve_experts(*model, *groups.ep_group);
+    return;
+  }
+  auto generate = [&](CausalLM& m, std::shared_ptr<Communicator> ep_group) {
+    std::vector<std::vector<int32_t>> ids(kRequests);
+    EngineOptions o;
+    o.max_sequences = 2;
+    o.prefill_chunk = 8;
+    GenerationEngine engine(m, *tok, o, std::move(ep_group));
+    for (int i = 0; i < kRequests; ++i)
+      engine.submit(request(i, 16), [&ids, i](const GenerationUpdate& u) {
+        if (u.finished) ids[static_cast<size_t>(i)] = u.completion_ids;
+      });
+    engine.run_until_idle();
+    engine.shutdown();
+    return ids;
+  };
+  const auto split = generate(*model, groups.ep_group);
+  const std::unique_ptr<CausalLM> local = make_causal_lm(cfg);
+  local->init_weights(4);
+  local->set_expert_activations(ExpertActivations::Int8);
+  const auto whole = generate(*local, nullptr);
+  for (int i = 0; i < kRequests; ++i) {
+    EXPECT_FALSE(split[static_cast<size_t>(i)].empty());
+    EXPECT_EQ(split[static_cast<size_t>(i)], whole[static_cast<size_t>(i)]) << "request " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryFamily, DistGenerateInt8, ::testing::Values("debug", "debug-v4"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param) == "debug" ? "V3" : "V4";
+                         });
 
 // DeepSeek-V3's latent cache and DeepSeek-V4's window/compressed cache alike.
 class DistGenerateMemory : public ::testing::TestWithParam<const char*> {};

@@ -32,6 +32,7 @@
 #include "parallel/communicator.h"
 #include "parallel/ep_training.h"
 #include "io/model_spec.h"
+#include "model/causal_lm.h"
 #include "model/model.h"
 #include "mpi_test_main.h"
 #include "test_util.h"
@@ -177,6 +178,40 @@ TEST(DistModel, TrainStepMatchesSingleProcessOnUnionBatch) {
     clean = clean && routing_bytes() == 0 && !ep.has_saved();
   }
   EXPECT_TRUE(clean);
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+}
+
+// Int8 expert activations (inference): every rank runs the int8 kernel on the rows its experts
+// receive from all ranks, so each rank's logits equal, bit for bit, one process's with every
+// expert on the union batch (a rank left exact would show in the rows it serves to the others).
+TEST(DistModel, Int8ExpertActivationsLogitsMatchSingleProcessOnUnionBatch) {
+  const int W = g_world->size(), rank = g_world->rank();
+  for (const char* preset : {"debug", "debug-v4"}) {
+    SCOPED_TRACE(preset);
+    ModelConfig cfg = resolve_model_config(preset);
+    cfg.expert_format = "mxfp4";
+    cfg.validate("test");
+    const BatchShape local_shape{2, 16};
+    const BatchShape global_shape{local_shape.batch * W, local_shape.seq};
+    const Tensor all_tokens = random_tokens(global_shape.tokens(), cfg.vocab_size, 105);
+    const std::unique_ptr<CausalLM> ref = make_causal_lm(cfg);
+    ref->init_weights(7);
+    const Tensor ref_exact = ref->logits(all_tokens, global_shape);
+    ref->set_expert_activations(ExpertActivations::Int8);
+    const Tensor ref_int8 = ref->logits(all_tokens, global_shape);
+    EXPECT_NE(std::memcmp(ref_exact.f32(), ref_int8.f32(), static_cast<size_t>(ref_int8.nbytes())),
+              0);
+    const std::unique_ptr<CausalLM> ep =
+        make_causal_lm(cfg, std::make_shared<AllToAllDispatcher>(g_world));
+    ep->init_weights(7);
+    ep->set_expert_activations(ExpertActivations::Int8);
+    const int64_t first = rank * local_shape.tokens();
+    const Tensor tokens = slice_rows(all_tokens, first, local_shape.tokens());
+    const Tensor ep_int8 = ep->logits(tokens, local_shape);
+    EXPECT_EQ(std::memcmp(ep_int8.f32(), ref_int8.f32() + first * cfg.vocab_size,
+                          static_cast<size_t>(ep_int8.nbytes())), 0)
+        << "rank " << rank << " logits";
+  }
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "core/memory.h"
+#include "core/parallel.h"
 #include "infer/generation.h"
 #include "model/model.h"
 #include "infer/inference_model.h"
@@ -252,6 +253,82 @@ TEST(Generation, AModelDirectoryStopsAtGenerationConfigEosIds) {
             (std::vector<int32_t>{ByteTokenizer::kEndOfText, 7}));
   write_text(dir / "generation_config.json", R"({"eos_token_id": [1.5]})");
   EXPECT_NE(error_of([&] { load_inference_model(dir); }).find("eos_token_id"), std::string::npos);
+}
+
+TEST(Generation, Int8ExpertActivationsDecodeAsAFullRecomputeAtAnyThreadCount) {
+  // The int8 kernel's bits depend on the shapes only (not on the rows in one call), so a cached
+  // decode of one token equals the full recompute, batching changes nothing, and neither does the
+  // thread count.
+  ModelConfig cfg = config();
+  cfg.expert_format = "mxfp4";
+  DeepSeekModel model(cfg);
+  model.init_weights(21);
+  model.set_expert_activations(ExpertActivations::Int8);
+  const std::unique_ptr<Tokenizer> tok = make_byte_tokenizer();
+  const int threads = num_threads();
+  auto generate = [&](int n, int64_t slots) {
+    set_num_threads(n);
+    EngineOptions o;
+    o.max_sequences = slots;
+    o.prefill_chunk = 8;
+    o.max_step_tokens = 8 + slots - 1;
+    GenerationEngine engine(model, *tok, o);
+    std::deque<Outcome> out(3);
+    engine.submit(request("And God said", 32, 0, /*temperature=*/0.0), collect(out[0]));
+    engine.submit(request("Let there be light", 32, 1), collect(out[1]));
+    engine.submit(request("and there was", 32, 2), collect(out[2]));
+    engine.run_until_idle();
+    set_num_threads(threads);
+    std::vector<std::vector<int32_t>> ids;
+    for (const Outcome& o2 : out) ids.push_back(o2.ids);
+    return ids;
+  };
+  const auto one = generate(1, 1), two = generate(2, 3);
+  EXPECT_EQ(one, two);
+  ASSERT_FALSE(one[0].empty());
+  std::vector<int32_t> ids = ByteTokenizer::encode("And God said");
+  const size_t prompt = ids.size();
+  while (ids.size() < prompt + 32 && ids.back() != ByteTokenizer::kEndOfText) {
+    const int64_t n = static_cast<int64_t>(ids.size());
+    Tensor t = Tensor::empty({n}, DType::I32, MemCategory::Activations);
+    std::copy(ids.begin(), ids.end(), t.i32());
+    const Tensor logits = model.logits(t, {1, n});
+    SamplingOptions greedy;
+    greedy.temperature = 0;
+    Rng rng(0);
+    ids.push_back(sample_token(logits.f32() + (t.numel() - 1) * cfg.vocab_size, 257, greedy, rng));
+  }
+  if (ids.back() == ByteTokenizer::kEndOfText) ids.pop_back();  // a stop id is not a completion id
+  const std::vector<int32_t> completion(ids.begin() + static_cast<std::ptrdiff_t>(prompt),
+                                       ids.end());
+  EXPECT_EQ(one[0], completion);
+}
+
+TEST(Generation, Int8ExpertActivationsNeedAModelWithMxfp4Experts) {
+  ModelConfig cfg = config();
+  DeepSeekModel model(cfg);
+  model.init_weights(2);
+  const std::filesystem::path dir = scratch_dir("test_generation_tmp") / "fp32_experts";
+  save_model(dir, cfg, model.params());
+  EXPECT_NE(error_of([&] { load_inference_model(dir, {}, nullptr, ExpertActivations::Int8); })
+                .find("--expert-activations int8 needs routed experts in MXFP4 (config.json "
+                      "quantization_config.quant_method \"mxfp4\""),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_inference_model(dir, {}, nullptr, ExpertActivations::Int8); })
+                .find(dir.string() + "'s routed experts are fp32; use --expert-activations fp32"),
+            std::string::npos);
+  // The same directory with its experts packed: every MoE layer switched.
+  cfg.expert_format = "mxfp4";
+  DeepSeekModel packed(cfg);
+  packed.init_weights(2);
+  const std::filesystem::path packed_dir = scratch_dir("test_generation_tmp") / "mxfp4_experts";
+  save_model(packed_dir, cfg, packed.params());
+  const InferenceModel m = load_inference_model(packed_dir, {}, nullptr, ExpertActivations::Int8);
+  ASSERT_FALSE(m.model->moe_layers().empty());
+  for (MoELayer* layer : m.model->moe_layers())
+    EXPECT_EQ(layer->expert_activations(), ExpertActivations::Int8);
+  for (MoELayer* layer : load_inference_model(packed_dir).model->moe_layers())
+    EXPECT_EQ(layer->expert_activations(), ExpertActivations::Fp32);
 }
 
 TEST(Generation, SubmitAndCancelFromOtherThreadsWhileStepping) {

@@ -1,25 +1,34 @@
 // MXFP4-resident frozen experts (issue 5): the packed store against decode-then-fp32 GEMMs, the
 // model with packed experts against the fp32 model it quantizes, frozen training, passthrough
 // load/save, the missing-scale error, `moe quantize`, and the memory accounting that proves no
-// full-precision expert ever exists.
+// full-precision expert ever exists. Int8 expert activations (issue 17, inference only): every
+// routed expert output, and a model's logits, within bounds derived from the int8 kernel's
+// documented error bound; every MoE layer of a V3 and a V4 model (hash-routed layers included)
+// switched; the same bits at any thread count and SIMD target; never in a training forward.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "core/memory.h"
+#include "core/parallel.h"
 #include "core/rng.h"
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
 #include "io/model_spec.h"
 #include "io/quantize_model.h"
 #include "io/safetensors.h"
+#include "kernels/activations.h"
 #include "kernels/mxfp4.h"
+#include "kernels/mxfp4_gemm_q8.h"
 #include "model/model.h"
+#include "model/v4/v4_model.h"
 #include "moe/mxfp4_expert_weights.h"
 #include "test_util.h"
 #include "train/adamw.h"
@@ -431,4 +440,437 @@ TEST(Mxfp4Experts, Bf16ExpertsQuantizeTheSameOnLoadAndInQuantize) {
         << on_load.params()[i]->name;
   }
   EXPECT_GT(packed, 0);
+}
+
+// ---------------------------------------------------------------- int8 expert activations
+//
+// The int8 kernel's documented bound (kernels/mxfp4_gemm_q8.h), per output of y = x·Wᵀ:
+//   |y − x·Wᵀ| <= Σ_blocks (amax_block(x) / 254) · Σ_block |w|   (half an int8 step each)
+// plus fp32 rounding. The tests carry it through a routed expert (SwiGLU, routing weight, down
+// projection) to every routed row's output, and for a V3 model on through the final norm and the
+// head to the logits, with Lipschitz constants and fp32 rounding bounds only (u = 2^-24; a dot
+// product of n terms lies within γ_n·Σ|a·b| of the real one in any order). The fp32 allowances
+// are 250 to 1,000 times smaller than the int8 term: the bounds are the kernel's, not tolerances.
+
+namespace {
+
+constexpr double kUnit = 0x1p-24;
+double gamma_n(int64_t n) {
+  return static_cast<double>(n) * kUnit / (1 - static_cast<double>(n) * kUnit);
+}
+// The kernel's fl(127 / amax) and fl(amax / 254) round once each: an element may land up to
+// 4u·amax beyond half a step.
+constexpr double kStepRounding = 1 + 4 * 254 * kUnit;
+// An fp32 elementwise chain (silu's exp and division, the routing weight, rsqrt): a few ulps.
+constexpr double kElementwise = 64 * kUnit;
+// max |silu'| = 1.0998 (at 2.40); min(·, L) and clamp(·, −L, L) are 1-Lipschitz.
+constexpr double kSiluLipschitz = 1.1;
+
+double silu(double v) { return v / (1 + std::exp(-v)); }
+
+// One expert's matrices, decoded: gate and up [H, D], down [D, H].
+struct DecodedExpert {
+  std::vector<float> gate, up, down;
+};
+
+std::vector<float> decode(const Mxfp4Matrix& w) {
+  std::vector<float> out(static_cast<size_t>(w.rows * w.cols));
+  for (int64_t r = 0; r < w.rows; ++r)
+    mxfp4::dequantize_row(w.packed + r * w.packed_stride, w.scales + r * w.scale_stride, w.cols,
+                          out.data() + r * w.cols);
+  return out;
+}
+
+// Of one weight row: Σ a·w, Σ |a|·|w| and the int8 term Σ_blocks (max_block |a| / 254)·
+// Σ_block |w|, from the activations and a bound on their magnitudes (the down projection's int8
+// input is only known to lie within a bound of the real one).
+struct DotTerms {
+  double value = 0, abs = 0, int8 = 0;
+};
+
+DotTerms dot_terms(const double* a, const double* a_mag, const float* w, int64_t n) {
+  DotTerms t;
+  for (int64_t b = 0; b < n; b += 32) {
+    double amax = 0, wsum = 0;
+    for (int64_t k = b; k < b + 32; ++k) {
+      t.value += a[k] * w[k];
+      t.abs += a_mag[k] * std::fabs(w[k]);
+      amax = std::max(amax, a_mag[k]);
+      wsum += std::fabs(w[k]);
+    }
+    t.int8 += amax / 254 * wsum;
+  }
+  t.int8 *= kStepRounding;
+  return t;
+}
+
+// A routed row's output o = W_down·(weight · swiglu(W_gate·x, W_up·x)) in real numbers, and per
+// output how far from it the exact fp32 path and the int8 path may land.
+struct RowReference {
+  std::vector<double> value, exact, int8;
+};
+
+RowReference expert_row_reference(const float* x, float weight, const DecodedExpert& m, int64_t D,
+                                  int64_t H, double limit) {
+  std::vector<double> xv(x, x + D), xm(static_cast<size_t>(D));
+  for (int64_t k = 0; k < D; ++k) xm[k] = std::fabs(xv[k]);
+  // The real h, and per path (0 exact, 1 int8) the bound around it and on the path's |h|.
+  std::vector<double> h(static_cast<size_t>(H)), eh[2], hm[2];
+  for (int p = 0; p < 2; ++p) {
+    eh[p].resize(static_cast<size_t>(H));
+    hm[p].resize(static_cast<size_t>(H));
+  }
+  const double w = weight;
+  for (int64_t i = 0; i < H; ++i) {
+    const DotTerms g = dot_terms(xv.data(), xm.data(), m.gate.data() + i * D, D);
+    const DotTerms u = dot_terms(xv.data(), xm.data(), m.up.data() + i * D, D);
+    const double cg = limit > 0 ? std::min(g.value, limit) : g.value;
+    const double cu = limit > 0 ? std::clamp(u.value, -limit, limit) : u.value;
+    h[i] = w * silu(cg) * cu;
+    const double eg[2] = {gamma_n(D) * g.abs, g.int8 + gamma_n(D) * (g.abs + g.int8)};
+    const double eu[2] = {gamma_n(D) * u.abs, u.int8 + gamma_n(D) * (u.abs + u.int8)};
+    for (int p = 0; p < 2; ++p) {
+      // h' − h = w·((silu(g') − silu(g))·u' + silu(g)·(u' − u)), clamps included.
+      const double carried =
+          w * (kSiluLipschitz * eg[p] * (std::fabs(cu) + eu[p]) + std::fabs(silu(cg)) * eu[p]);
+      eh[p][i] = carried + kElementwise * (std::fabs(h[i]) + carried);
+      hm[p][i] = std::fabs(h[i]) + eh[p][i];
+    }
+  }
+  RowReference r;
+  r.value.resize(static_cast<size_t>(D));
+  r.exact.resize(static_cast<size_t>(D));
+  r.int8.resize(static_cast<size_t>(D));
+  for (int64_t j = 0; j < D; ++j) {
+    const float* wd = m.down.data() + j * H;
+    for (int p = 0; p < 2; ++p) {
+      const DotTerms o = dot_terms(h.data(), hm[p].data(), wd, H);
+      double carried = 0;  // the input's own deviation, through |W_down|
+      for (int64_t i = 0; i < H; ++i) carried += std::fabs(wd[i]) * eh[p][i];
+      if (p == 0) {
+        r.value[j] = o.value;
+        r.exact[j] = carried + gamma_n(H) * o.abs;
+      } else {
+        r.int8[j] = carried + o.int8 + gamma_n(H) * (o.abs + o.int8);
+      }
+    }
+  }
+  return r;
+}
+
+// What one MoE layer forward handed its dispatcher: the experts' input rows (expert-major), their
+// routing weights and per-expert offsets, the experts' outputs and the combined result.
+struct MoeCall {
+  Tensor rows, row_weights, expert_out, combined;
+  std::vector<int32_t> offsets, row_of_slot;
+  int64_t top_k = 0;
+};
+
+class RecordingDispatcher : public LocalDispatcher {
+ public:
+  std::vector<MoeCall> calls;
+
+  Dispatched dispatch(const Tensor& x, const Tensor& ids, const Tensor& weights,
+                      int64_t num_experts) override {
+    Dispatched d = LocalDispatcher::dispatch(x, ids, weights, num_experts);
+    MoeCall c;
+    c.rows = d.rows.clone(MemCategory::Scratch);
+    c.row_weights = d.row_weights.clone(MemCategory::Scratch);
+    const Handle& h = d.handle;
+    c.offsets.assign(h.offsets(), h.offsets() + h.experts().count + 1);
+    c.row_of_slot.assign(h.row_of_slot(), h.row_of_slot() + h.tokens() * h.top_k());
+    c.top_k = h.top_k();
+    calls.push_back(std::move(c));
+    return d;
+  }
+  Tensor combine(const Tensor& expert_out, Handle& handle, Pass pass) override {
+    calls.back().expert_out = expert_out.clone(MemCategory::Scratch);
+    Tensor y = LocalDispatcher::combine(expert_out, handle, pass);
+    calls.back().combined = y.clone(MemCategory::Scratch);
+    return y;
+  }
+};
+
+// The reference of every routed row of a recorded call, in row order.
+std::vector<RowReference> row_references(const MoeCall& call, MoELayer& layer) {
+  const Mxfp4ExpertWeights& w = *layer.mxfp4_experts();
+  const int64_t D = w.dim(), H = w.hidden();
+  std::vector<RowReference> out;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(call.offsets.size()); ++e) {
+    const DecodedExpert m{decode(w.gate(e)), decode(w.up(e)), decode(w.down(e))};
+    for (int32_t r = call.offsets[e]; r < call.offsets[e + 1]; ++r)
+      out.push_back(expert_row_reference(call.rows.f32() + r * D, call.row_weights.f32()[r], m, D,
+                                         H, layer.swiglu_limit()));
+  }
+  return out;
+}
+
+struct RowCheck {
+  double worst = 0;             // max |o − o*| / the path's bound: <= 1
+  double beyond_fp32 = 0;       // max |o − o*| / the exact path's bound: > 1 only from int8
+};
+
+RowCheck check_rows(const MoeCall& call, const std::vector<RowReference>& refs,
+                    ExpertActivations path) {
+  RowCheck c;
+  const int64_t D = static_cast<int64_t>(refs.front().value.size());
+  for (size_t r = 0; r < refs.size(); ++r)
+    for (int64_t j = 0; j < D; ++j) {
+      const double got = call.expert_out.f32()[static_cast<int64_t>(r) * D + j];
+      const double d = std::fabs(got - refs[r].value[j]);
+      if (d == 0) continue;  // an all-zero row has a zero bound
+      const double bound = path == ExpertActivations::Int8 ? refs[r].int8[j] : refs[r].exact[j];
+      c.worst = std::max(c.worst, d / bound);
+      c.beyond_fp32 = std::max(c.beyond_fp32, d / refs[r].exact[j]);
+    }
+  return c;
+}
+
+std::vector<float> floats_of(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+
+// The int8 path's routed rows of a recorded call computed directly: per expert one
+// mxfp4_gemm_nt_q8 call over all its rows and whole matrices, SwiGLU, the routing weight, then
+// the down projection. The kernel's bits depend on the shapes only (not on m or on how the
+// layer cuts the work into items), so the layer's rows must equal these bit for bit.
+std::vector<float> int8_rows_direct(const MoeCall& call, MoELayer& layer) {
+  const Mxfp4ExpertWeights& w = *layer.mxfp4_experts();
+  const int64_t D = w.dim(), H = w.hidden();
+  std::vector<float> out(static_cast<size_t>(call.rows.dim(0) * D));
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(call.offsets.size()); ++e) {
+    const int64_t first = call.offsets[e], n = call.offsets[e + 1] - first;
+    if (n == 0) continue;
+    std::vector<float> g(static_cast<size_t>(n * H)), u(g.size()), h(g.size());
+    mxfp4_gemm_nt_q8(n, call.rows.f32() + first * D, D, w.gate(e), g.data(), H, false);
+    mxfp4_gemm_nt_q8(n, call.rows.f32() + first * D, D, w.up(e), u.data(), H, false);
+    swiglu_forward(g.data(), u.data(), h.data(), n * H, layer.swiglu_limit());
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t i = 0; i < H; ++i) h[r * H + i] *= call.row_weights.f32()[first + r];
+    mxfp4_gemm_nt_q8(n, h.data(), H, w.down(e), out.data() + first * D, D, false);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(Int8ExpertActivations, V3LogitsStayWithinTheKernelBoundCarriedToThem) {
+  // One MoE layer without shared experts, its attention's output projection zeroed: the layer's
+  // input rows, routing and expert outputs are recorded, and the final norm's input is then known
+  // exactly (the embedding row + the combined experts), so the bound is carried through the norm
+  // and the head without a hidden state the model does not expose.
+  ModelConfig cfg = packed_config();
+  cfg.num_hidden_layers = 1;
+  cfg.first_k_dense_replace = 0;
+  cfg.n_shared_experts = 0;
+  cfg.validate("test");
+  const auto recorder = std::make_shared<RecordingDispatcher>();
+  DeepSeekModel model(cfg, recorder);
+  model.init_weights(5);
+  const auto params = by_name(model);
+  Param* o_proj = params.at("model.layers.0.self_attn.o_proj.weight");
+  std::memset(o_proj->w(), 0, static_cast<size_t>(o_proj->value.nbytes()));
+  const BatchShape shape{2, 16};
+  const Tensor tokens = random_tokens(shape.tokens(), cfg.vocab_size, 8);
+  const Tensor exact = model.logits(tokens, shape);
+  model.set_expert_activations(ExpertActivations::Int8);
+  const Tensor int8 = model.logits(tokens, shape);
+  ASSERT_EQ(recorder->calls.size(), 2u);
+  const MoeCall& ce = recorder->calls[0];
+  const MoeCall& cq = recorder->calls[1];
+  // The switch changes the experts' matmuls and nothing before them.
+  EXPECT_TRUE(same_bytes(ce.rows, cq.rows));
+  EXPECT_TRUE(same_bytes(ce.row_weights, cq.row_weights));
+  EXPECT_EQ(ce.offsets, cq.offsets);
+  EXPECT_FALSE(same_bytes(exact, int8)) << "the option must switch the kernel";
+
+  MoELayer& layer = *model.moe_layers()[0];
+  EXPECT_EQ(floats_of(cq.expert_out), int8_rows_direct(cq, layer));
+  const std::vector<RowReference> refs = row_references(ce, layer);
+  const RowCheck re = check_rows(ce, refs, ExpertActivations::Fp32);
+  const RowCheck rq = check_rows(cq, refs, ExpertActivations::Int8);
+  EXPECT_LE(re.worst, 1.0);
+  EXPECT_LE(rq.worst, 1.0);
+  EXPECT_GT(rq.beyond_fp32, 1.0) << "int8 rounding shows beyond fp32's";
+
+  // Rows -> logits. Per token t: y = Σ_j o_{row(t, j)} (fp32, k terms), z = y + embedding row
+  // (fp32), n = γ ⊙ z·r(z) with r = 1/sqrt(mean z² + eps), logits = W_head·n. Given a bound
+  // row_delta on |o' − o| per routed row and output, the bound on |logits' − logits|, and the
+  // largest and mean fraction of it that the two runs' logits use.
+  const int64_t T = shape.tokens(), D = cfg.hidden_size, V = cfg.vocab_size, k = ce.top_k;
+  const float* embedding = params.at("model.embed_tokens.weight")->w();
+  const float* norm_weight = params.at("model.norm.weight")->w();
+  const float* head = params.at("lm_head.weight")->w();
+  const double eps = static_cast<float>(cfg.rms_norm_eps);
+  struct Used {
+    double worst = 0, mean = 0;
+  };
+  auto logits_within = [&](const std::function<double(int32_t row, int64_t i)>& row_delta) {
+    Used used;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> z(static_cast<size_t>(D)), dz(static_cast<size_t>(D));
+      double z2 = 0, dz2 = 0;
+      for (int64_t i = 0; i < D; ++i) {
+        double sum_delta = 0, sum_abs = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          const int32_t r = ce.row_of_slot[static_cast<size_t>(t * k + j)];
+          sum_delta += row_delta(r, i);
+          sum_abs += std::fabs(ce.expert_out.f32()[r * D + i]);
+        }
+        // Each path's k − 1 fp32 additions, then its residual addition.
+        const double dy =
+            sum_delta + static_cast<double>(k - 1) * kUnit * (2 * sum_abs + sum_delta);
+        z[i] = ce.combined.f32()[t * D + i] + embedding[tokens.i32()[t] * D + i];
+        dz[i] = dy + kUnit * (2 * std::fabs(z[i]) + dy);
+        z2 += z[i] * z[i];
+        dz2 += dz[i] * dz[i];
+      }
+      z2 = std::sqrt(z2), dz2 = std::sqrt(dz2);
+      const double dim = static_cast<double>(D);
+      const double r = 1 / std::sqrt(z2 * z2 / dim + eps);
+      // Over the ball of radius |Δz| around z: r <= r_max, and |∇r| = r³·|ξ|/D.
+      const double lo = std::max(0.0, z2 - dz2);
+      const double r_max = 1 / std::sqrt(lo * lo / dim + eps);
+      const double dr = r_max * r_max * r_max * (z2 + dz2) * dz2 / dim;
+      const double e_norm = gamma_n(D) + kElementwise;  // each path's fp32 norm
+      std::vector<double> n(static_cast<size_t>(D)), dn(static_cast<size_t>(D));
+      for (int64_t i = 0; i < D; ++i) {
+        n[i] = norm_weight[i] * z[i] * r;
+        dn[i] = std::fabs(norm_weight[i]) * (r_max * dz[i] + (std::fabs(z[i]) + dz[i]) * dr);
+        dn[i] += e_norm * (2 * std::fabs(n[i]) + dn[i]);
+      }
+      for (int64_t v = 0; v < V; ++v) {
+        double bound = 0, mag = 0;
+        for (int64_t i = 0; i < D; ++i) {
+          const double w = std::fabs(head[v * D + i]);
+          bound += w * dn[i];
+          mag += w * (2 * std::fabs(n[i]) + dn[i]);
+        }
+        bound += gamma_n(D) * mag;
+        const double diff =
+            std::fabs(static_cast<double>(int8.f32()[t * V + v]) - exact.f32()[t * V + v]);
+        EXPECT_LE(diff, bound) << "token " << t << " logit " << v;
+        used.worst = std::max(used.worst, diff / bound);
+        used.mean += diff / bound / static_cast<double>(T * V);
+      }
+    }
+    return used;
+  };
+  // End to end: the kernel's bound, carried to the rows above, then to the logits. Worst case at
+  // every step (each rounding error of 64 + 256 + 64 products aligned), so the two runs use a
+  // small fraction of it.
+  const Used chain = logits_within([&](int32_t r, int64_t i) {
+    return refs[static_cast<size_t>(r)].exact[i] + refs[static_cast<size_t>(r)].int8[i];
+  });
+  // The last stage alone, from the rows' actual differences: nothing but the rows moves the logits.
+  const Used stage = logits_within([&](int32_t r, int64_t i) {
+    return std::fabs(static_cast<double>(cq.expert_out.f32()[r * D + i]) -
+                     ce.expert_out.f32()[r * D + i]);
+  });
+  std::printf("used of the bound: expert rows %.3f (largest), logits from the kernel bound %.4f "
+              "(largest) %.5f (mean), logits from the rows' differences %.3f (largest) %.4f "
+              "(mean)\n",
+              rq.worst, chain.worst, chain.mean, stage.worst, stage.mean);
+
+  // The same bits at 1 and 2 threads and on every SIMD target; fp32 again gives the exact path.
+  const int threads = num_threads();
+  for (int n : {1, 2}) {
+    set_num_threads(n);
+    EXPECT_EQ(floats_of(model.logits(tokens, shape)), floats_of(int8)) << n << " threads";
+  }
+  set_num_threads(threads);
+  expect_same_bits_on_every_target([&] { return floats_of(model.logits(tokens, shape)); });
+  model.set_expert_activations(ExpertActivations::Fp32);
+  EXPECT_TRUE(same_bytes(model.logits(tokens, shape), exact));
+}
+
+TEST(Int8ExpertActivations, EveryMoELayerOfAV4ModelRunsTheInt8KernelWithinItsBound) {
+  // DeepSeek-V4: a hash-routed first layer, top-k layers after it, clamped SwiGLU, shared experts
+  // and an MTP layer; one set_expert_activations reaches each of them.
+  ModelConfig cfg = resolve_model_config("debug-v4");
+  cfg.expert_format = "mxfp4";
+  cfg.validate("test");
+  const auto recorder = std::make_shared<RecordingDispatcher>();
+  DeepSeekV4Model model(cfg, recorder);
+  model.init_weights(3);
+  const BatchShape shape{2, 16};
+  const Tensor tokens = random_tokens(shape.tokens(), cfg.vocab_size, 4);
+  const Tensor exact = model.logits(tokens, shape);
+  std::vector<MoeCall> exact_calls = std::move(recorder->calls);
+  recorder->calls.clear();
+  model.set_expert_activations(ExpertActivations::Int8);
+  const std::vector<MoELayer*> layers = model.moe_layers();
+  ASSERT_EQ(static_cast<int64_t>(layers.size()),
+            cfg.num_hidden_layers + cfg.num_nextn_predict_layers);
+  for (MoELayer* m : layers) EXPECT_EQ(m->expert_activations(), ExpertActivations::Int8);
+  EXPECT_EQ(layers[0]->selection(), ExpertSelection::Hash);
+  EXPECT_EQ(layers[1]->selection(), ExpertSelection::TopK);
+  const Tensor int8 = model.logits(tokens, shape);
+  EXPECT_FALSE(same_bytes(exact, int8));
+  ASSERT_EQ(recorder->calls.size(), exact_calls.size());
+  ASSERT_GE(static_cast<int64_t>(exact_calls.size()), cfg.num_hidden_layers);
+  for (size_t l = 0; l < exact_calls.size(); ++l) {
+    SCOPED_TRACE("MoE layer " + std::to_string(l));
+    // Each run against the real product of its own rows (past the first layer they differ).
+    const MoeCall& ce = exact_calls[l];
+    const MoeCall& cq = recorder->calls[l];
+    const RowCheck re = check_rows(ce, row_references(ce, *layers[l]), ExpertActivations::Fp32);
+    const RowCheck rq = check_rows(cq, row_references(cq, *layers[l]), ExpertActivations::Int8);
+    EXPECT_LE(re.worst, 1.0);
+    EXPECT_LE(rq.worst, 1.0);
+    EXPECT_GT(rq.beyond_fp32, 1.0) << "this layer did not run the int8 kernel";
+    EXPECT_EQ(floats_of(cq.expert_out), int8_rows_direct(cq, *layers[l]));
+  }
+  const int threads = num_threads();
+  for (int n : {1, 2}) {
+    set_num_threads(n);
+    EXPECT_EQ(floats_of(model.logits(tokens, shape)), floats_of(int8)) << n << " threads";
+  }
+  set_num_threads(threads);
+  expect_same_bits_on_every_target([&] { return floats_of(model.logits(tokens, shape)); });
+  model.set_expert_activations(ExpertActivations::Fp32);
+  EXPECT_TRUE(same_bytes(model.logits(tokens, shape), exact));
+}
+
+TEST(Int8ExpertActivations, NeverInATrainingForwardAndOnlyOverMxfp4Experts) {
+  const ModelConfig cfg = packed_config();
+  // What `moe train` and `moe finetune` build: exact experts, and no option reaches them.
+  const std::unique_ptr<CausalLM> model = make_causal_lm(cfg);
+  model->init_weights(5);
+  model->allocate_grads();
+  for (MoELayer* m : model->moe_layers())
+    EXPECT_EQ(m->expert_activations(), ExpertActivations::Fp32);
+  const BatchShape shape{2, 16};
+  const Tensor tokens = random_tokens(shape.tokens(), cfg.vocab_size, 8);
+  const Tensor targets = random_tokens(shape.tokens(), cfg.vocab_size, 9);
+  model->set_expert_activations(ExpertActivations::Int8);
+  EXPECT_NE(error_of([&] { model->forward(tokens, targets, shape, Pass::Train); })
+                .find("a training forward with int8 expert activations"),
+            std::string::npos);
+  // Evaluation keeps nothing for a backward: allowed.
+  EXPECT_TRUE(std::isfinite(model->forward(tokens, targets, shape, Pass::Eval).ce));
+  // Back to fp32, training runs and leaves nothing behind from the refused forward.
+  model->set_expert_activations(ExpertActivations::Fp32);
+  model->zero_grads();
+  model->forward(tokens, targets, shape, Pass::Train);
+  model->backward();
+  EXPECT_FALSE(model->has_saved());
+
+  // fp32 experts have no int8 path: the model, a layer and the store each refuse it.
+  DeepSeekModel dense(fp32_of(cfg));
+  EXPECT_NE(error_of([&] { dense.set_expert_activations(ExpertActivations::Int8); })
+                .find("int8 expert activations need MXFP4 routed experts, but this deepseek_v3 "
+                      "model's are fp32"),
+            std::string::npos);
+  MoELayer& dense_layer = *dense.moe_layers()[0];
+  EXPECT_NE(error_of([&] { dense_layer.set_expert_activations(ExpertActivations::Int8); })
+                .find("model.layers.1.mlp.gate.weight: int8 expert activations need MXFP4"),
+            std::string::npos);
+  ExpertSegments seg;
+  seg.offsets = {0, 1};
+  std::vector<float> x(static_cast<size_t>(cfg.hidden_size));
+  std::vector<float> g(static_cast<size_t>(cfg.moe_intermediate_size)), u(g.size());
+  EXPECT_NE(error_of([&] {
+              dense_layer.experts().gate_up_forward(seg, x.data(), g.data(), u.data(),
+                                                    ExpertActivations::Int8);
+            }).find("no int8-activation forward"),
+            std::string::npos);
 }

@@ -167,11 +167,13 @@ void run_generate(const GenerateArgs& a) {
     auto rate = [](int64_t n, double sec) { return sec > 0 ? static_cast<double>(n) / sec : 0.0; };
     fmt::print(stderr,
                "generate: {} prompt{}, prompt {} tokens at {:.1f} tokens/s, generation {} tokens "
-               "at {:.1f} tokens/s, {} forwards{}\n",
+               "at {:.1f} tokens/s, {} forwards{}{}\n",
                prompts.size(), prompts.size() == 1 ? "" : "s", s.prompt_tokens,
                rate(s.prompt_tokens, s.prompt_seconds), s.generated_tokens,
                rate(s.generated_tokens, s.generate_seconds), s.steps,
-               session->ep_size > 1 ? fmt::format(" (EP {})", session->ep_size) : "");
+               session->ep_size > 1 ? fmt::format(" (EP {})", session->ep_size) : "",
+               a.inference.expert_activations == ExpertActivations::Int8
+                   ? ", int8 expert activations" : "");
   }
 }
 

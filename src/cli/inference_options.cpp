@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <string>
+
 #include "core/error.h"
 #include "io/hf_config.h"
 #include "parallel/ep_training.h"
@@ -19,6 +21,7 @@ void add_inference_options(CLI::App* cmd, InferenceArgs& a) {
   cmd->add_option("--ep", a.ep, "expert-parallel size under mpirun (0: the number of ranks); "
                   "rank 0 runs the requests, every rank holds 1/ep of the routed experts")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
+  add_expert_activations_option(cmd, a.expert_activations);
   cmd->add_option("--slots", a.engine.max_sequences,
                   "sequences decoded together (KV-cache slots, preallocated)")
       ->check(CLI::PositiveNumber)->capture_default_str();
@@ -31,6 +34,19 @@ void add_inference_options(CLI::App* cmd, InferenceArgs& a) {
   cmd->add_option("--step-tokens", a.engine.max_step_tokens,
                   "most token rows in one forward (prompt chunks + decode tokens)")
       ->check(CLI::PositiveNumber)->capture_default_str();
+}
+
+void add_expert_activations_option(CLI::App* cmd, ExpertActivations& activations) {
+  cmd->add_option_function<std::string>(
+         "--expert-activations",
+         [&activations](const std::string& name) {
+           activations = name == "int8" ? ExpertActivations::Int8 : ExpertActivations::Fp32;
+         },
+         "routed experts' forward: fp32 (the exact product) or int8 (MXFP4 experts only: "
+         "activations rounded to int8 per 32 elements, at most half a step each; faster decode, "
+         "error bound in README \"Frozen MXFP4 experts\")")
+      ->check(CLI::IsMember({"fp32", "int8"}))
+      ->default_str("fp32");
 }
 
 void add_sampling_options(CLI::App* cmd, SamplingOptions& s) {
@@ -65,7 +81,8 @@ std::optional<InferenceSession> open_inference(const InferenceArgs& a) {
   const ModelConfig cfg = read_hf_config(a.model_dir);
   const ExpertParallelGroups groups =
       make_expert_parallel_groups(world, ep, cfg.n_routed_experts, "--ep");
-  InferenceModel m = load_inference_model(a.model_dir, a.adapter_dir, make_dispatcher(groups));
+  InferenceModel m = load_inference_model(a.model_dir, a.adapter_dir, make_dispatcher(groups),
+                                          a.expert_activations);
   if (world->rank() != 0) {
     serve_experts(*m.model, *groups.ep_group);
     return std::nullopt;

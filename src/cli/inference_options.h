@@ -15,10 +15,13 @@ struct InferenceArgs {
   std::string model_dir;
   std::string adapter_dir;
   int64_t ep = 0;  // 0: the number of ranks
+  ExpertActivations expert_activations = ExpertActivations::Fp32;
   EngineOptions engine;
 };
 
 void add_inference_options(CLI::App* cmd, InferenceArgs& args);
+// --expert-activations fp32|int8 (also `moe logits`).
+void add_expert_activations_option(CLI::App* cmd, ExpertActivations& activations);
 void add_sampling_options(CLI::App* cmd, SamplingOptions& sampling);
 
 struct InferenceSession {

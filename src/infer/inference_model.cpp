@@ -63,8 +63,21 @@ std::vector<int32_t> generation_config_eos_ids(const fs::path& file) {
 
 }  // namespace
 
+void check_expert_activations(const ModelConfig& cfg, ExpertActivations activations,
+                              const fs::path& model_dir) {
+  if (activations == ExpertActivations::Fp32) return;
+  // One message for both causes, naming the option, the value it needs and how to get there.
+  MOE_CHECK(cfg.n_routed_experts > 0 && cfg.mxfp4_experts(),
+            "--expert-activations {} needs routed experts in MXFP4 (config.json "
+            "quantization_config.quant_method \"mxfp4\", e.g. written by `moe quantize`), but "
+            "{}'s routed experts are {}; use --expert-activations fp32 (the default)",
+            expert_activations_name(activations), model_dir.string(),
+            cfg.n_routed_experts > 0 ? cfg.expert_format : "absent (no MoE layer)");
+}
+
 InferenceModel load_inference_model(const fs::path& model_dir, const fs::path& adapter_dir,
-                                    std::shared_ptr<Dispatcher> dispatcher) {
+                                    std::shared_ptr<Dispatcher> dispatcher,
+                                    ExpertActivations expert_activations) {
   InferenceModel m;
   m.config = read_hf_config(model_dir.string());
   if (!adapter_dir.empty()) {
@@ -73,6 +86,7 @@ InferenceModel load_inference_model(const fs::path& model_dir, const fs::path& a
     m.config = config_for_adapter(m.config, adapter_dir, &note);
     if (!note.empty()) m.notes.push_back(note);
   }
+  check_expert_activations(m.config, expert_activations, model_dir);
   m.tokenizer = model_tokenizer(model_dir);
   MOE_CHECK(m.config.vocab_size >= m.tokenizer->vocab_size(),
             "{}: vocab_size {} is too small for its {} tokenizer ({} ids)", model_dir.string(),
@@ -80,6 +94,7 @@ InferenceModel load_inference_model(const fs::path& model_dir, const fs::path& a
   m.chat_template = load_chat_template(model_dir / "tokenizer_config.json");
   m.eos_ids = generation_config_eos_ids(model_dir / "generation_config.json");
   m.model = make_causal_lm(m.config, std::move(dispatcher));
+  m.model->set_expert_activations(expert_activations);
   load_weights(model_dir.string(), m.model->params());
   if (!adapter_dir.empty()) {
     const AttachedAdapter adapter = attach_peft_adapter(adapter_dir, model_dir, *m.model);

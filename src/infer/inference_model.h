@@ -29,10 +29,18 @@ struct InferenceModel {
 };
 
 // Errors name the directory and the file. `dispatcher`: expert parallelism's, or null for one
-// process (each rank then loads only its experts).
+// process (each rank then loads only its experts). `expert_activations`: the routed experts'
+// forward (--expert-activations, moe/expert_activations.h); int8 is refused before any weight
+// is read unless the experts, once an adapter's format is applied, are MXFP4.
 InferenceModel load_inference_model(const std::filesystem::path& model_dir,
                                     const std::filesystem::path& adapter_dir = {},
-                                    std::shared_ptr<Dispatcher> dispatcher = nullptr);
+                                    std::shared_ptr<Dispatcher> dispatcher = nullptr,
+                                    ExpertActivations expert_activations = ExpertActivations::Fp32);
+
+// The error for `--expert-activations int8` on a model (config read from model_dir) whose routed
+// experts are not MXFP4; nothing for fp32.
+void check_expert_activations(const ModelConfig& cfg, ExpertActivations activations,
+                              const std::filesystem::path& model_dir);
 
 // The tokenizer a model directory was trained or released with.
 std::unique_ptr<Tokenizer> model_tokenizer(const std::filesystem::path& model_dir);

@@ -17,6 +17,7 @@
 #include "model/inference_cache.h"
 #include "model/lm_head_loss.h"
 #include "model/param.h"
+#include "moe/expert_activations.h"
 
 namespace moe {
 
@@ -87,6 +88,11 @@ class CausalLM {
   virtual LoraRuntime& lora_runtime() = 0;
 
   virtual std::vector<MoELayer*> moe_layers() const = 0;
+  // Inference: every MoE layer's routed-expert forward with int8 or fp32 activations
+  // (moe/expert_activations.h). Int8 needs MXFP4 routed experts (an error otherwise) and makes
+  // a Train forward an error until fp32 is set again. Under expert parallelism every rank sets
+  // it: each rank computes its own experts' rows.
+  void set_expert_activations(ExpertActivations activations);
   // Aux-loss-free balancing: call between backward and the optimizer step.
   virtual void update_router_biases(double rate) = 0;
   // Whether any layer still holds state from a Train forward (tests: nothing leaks).

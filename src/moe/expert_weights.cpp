@@ -75,23 +75,25 @@ ExpertSegments ExpertSegments::from(const Handle& handle) {
 // The input-side products of every store: the same work items, whatever the storage.
 
 void ExpertWeights::gate_up_forward(const ExpertSegments& seg, const float* x, float* g,
-                                    float* u) const {
+                                    float* u, ExpertActivations activations) const {
   const int64_t D = dim(), H = hidden();
   auto items = row_items(seg, 2, H, D);
   run_items(items, [&](const Item& it) {
     const int64_t row = seg.begin(it.expert) + it.r0;
     float* out = it.part == 0 ? g : u;
     times_weight_t(it.expert, static_cast<int>(it.part), it.rn, x + row * D, D, it.c0, it.cn,
-                   out + row * H + it.c0, H);
+                   out + row * H + it.c0, H, activations);
   });
 }
 
-void ExpertWeights::down_forward(const ExpertSegments& seg, const float* h, float* y) const {
+void ExpertWeights::down_forward(const ExpertSegments& seg, const float* h, float* y,
+                                 ExpertActivations activations) const {
   const int64_t D = dim(), H = hidden();
   auto items = row_items(seg, 1, D, H);
   run_items(items, [&](const Item& it) {
     const int64_t row = seg.begin(it.expert) + it.r0;
-    times_weight_t(it.expert, 2, it.rn, h + row * H, H, it.c0, it.cn, y + row * D + it.c0, D);
+    times_weight_t(it.expert, 2, it.rn, h + row * H, H, it.c0, it.cn, y + row * D + it.c0, D,
+                   activations);
   });
 }
 
@@ -173,7 +175,9 @@ void DenseExpertWeights::allocate_grads() {
 
 void DenseExpertWeights::times_weight_t(int64_t e, int part, int64_t m, const float* x,
                                         int64_t ldx, int64_t c0, int64_t cn, float* y,
-                                        int64_t ldy) const {
+                                        int64_t ldy, ExpertActivations activations) const {
+  MOE_CHECK(activations == ExpertActivations::Fp32,
+            "internal: fp32 routed experts have no int8-activation forward (MXFP4 experts only)");
   const Param& w = matrix(e, part);
   const int64_t in = w.value.dim(1);
   gemm_nt_serial(m, cn, in, x, ldx, w.w() + c0 * in, in, y, ldy, false);

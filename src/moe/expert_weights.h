@@ -16,6 +16,7 @@
 #include "model/ffn_keys.h"
 #include "model/param.h"
 #include "moe/dispatcher.h"
+#include "moe/expert_activations.h"
 
 namespace moe {
 
@@ -39,9 +40,13 @@ class ExpertWeights {
   // The input-side products, cut into work items here once for every store; a store supplies
   // the two single-threaded per-item matmuls below.
   // g, u [R, hidden] = x [R, dim] · W_gateᵀ, W_upᵀ.
-  void gate_up_forward(const ExpertSegments& seg, const float* x, float* g, float* u) const;
+  // `activations`: Int8 only for an inference forward over MXFP4 experts (expert_activations.h);
+  // the backward products below have no such choice.
+  void gate_up_forward(const ExpertSegments& seg, const float* x, float* g, float* u,
+                       ExpertActivations activations = ExpertActivations::Fp32) const;
   // y [R, dim] = h [R, hidden] · W_downᵀ.
-  void down_forward(const ExpertSegments& seg, const float* h, float* y) const;
+  void down_forward(const ExpertSegments& seg, const float* h, float* y,
+                    ExpertActivations activations = ExpertActivations::Fp32) const;
   // dh [R, hidden] = dy [R, dim] · W_down.
   void down_backward_input(const ExpertSegments& seg, const float* dy, float* dh) const;
   // dx [R, dim] = dg · W_gate + du · W_up.
@@ -64,7 +69,8 @@ class ExpertWeights {
   // [hidden, dim], down [dim, hidden].
   // y[m, cn] = x[m, in] · W[c0 : c0 + cn, :]ᵀ
   virtual void times_weight_t(int64_t e, int part, int64_t m, const float* x, int64_t ldx,
-                              int64_t c0, int64_t cn, float* y, int64_t ldy) const = 0;
+                              int64_t c0, int64_t cn, float* y, int64_t ldy,
+                              ExpertActivations activations) const = 0;
   // dx[m, cn] (+)= dy[m, out] · W[:, c0 : c0 + cn]   (c0 a multiple of 32)
   virtual void times_weight(int64_t e, int part, int64_t m, const float* dy, int64_t lddy,
                             int64_t c0, int64_t cn, float* dx, int64_t lddx,
@@ -111,8 +117,10 @@ class DenseExpertWeights : public ExpertWeights {
   const Param& down(int64_t e) const { return params_[static_cast<size_t>(3 * e + 2)]; }
 
  protected:
+  // Fp32 only: fp32 experts have no int8-activation kernel.
   void times_weight_t(int64_t e, int part, int64_t m, const float* x, int64_t ldx, int64_t c0,
-                      int64_t cn, float* y, int64_t ldy) const override;
+                      int64_t cn, float* y, int64_t ldy,
+                      ExpertActivations activations) const override;
   void times_weight(int64_t e, int part, int64_t m, const float* dy, int64_t lddy, int64_t c0,
                     int64_t cn, float* dx, int64_t lddx, bool accumulate) const override;
 

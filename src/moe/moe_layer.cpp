@@ -109,6 +109,13 @@ void MoELayer::allocate_grads() {
   }
 }
 
+void MoELayer::set_expert_activations(ExpertActivations activations) {
+  MOE_CHECK(activations == ExpertActivations::Fp32 || packed_ != nullptr,
+            "{}: {} expert activations need MXFP4 routed experts, but this layer's are fp32",
+            gate_weight.name, expert_activations_name(activations));
+  expert_activations_ = activations;
+}
+
 bool MoELayer::has_saved() const {
   return saved_.x.defined() || saved_.handle.live() || (shared_ && shared_->has_saved());
 }
@@ -126,6 +133,10 @@ Tensor MoELayer::forward(const Tensor& x, const Tensor& token_ids, const BatchSh
   MOE_CHECK(shape.tokens() == T, "{}: {} input rows but batch {} x seq {}", gate_weight.name, T,
             shape.batch, shape.seq);
   const bool train = needs_backward(pass);
+  MOE_CHECK(!(train && expert_activations_ == ExpertActivations::Int8),
+            "{}: a training forward with int8 expert activations: their rounding has no "
+            "backward (inference only); set fp32 expert activations to train",
+            gate_weight.name);
   if (train) saved_ = Saved{};  // a Train forward without its backward is superseded
 
   // Router logits stay fp32 whatever the weights' storage: selection flips on small rounding.
@@ -158,7 +169,7 @@ Tensor MoELayer::forward(const Tensor& x, const Tensor& token_ids, const BatchSh
   const int64_t R = seg.total_rows();
 
   Tensor g = activation({R, H}), u = activation({R, H});
-  experts_->gate_up_forward(seg, d.rows.f32(), g.f32(), u.f32());
+  experts_->gate_up_forward(seg, d.rows.f32(), g.f32(), u.f32(), expert_activations_);
   const Tensor keys = lora_row_keys(d.handle, T);
   const int32_t* kp = keys.defined() ? keys.i32() : nullptr;
   if (lora_.gate) lora_.gate->forward_add(seg, d.rows.f32(), kp, g.f32());
@@ -185,7 +196,7 @@ Tensor MoELayer::forward(const Tensor& x, const Tensor& token_ids, const BatchSh
     });
   }
   Tensor o = activation({R, dim_});
-  experts_->down_forward(seg, h.f32(), o.f32());
+  experts_->down_forward(seg, h.f32(), o.f32(), expert_activations_);
   if (lora_.down) lora_.down->forward_add(seg, h.f32(), kp, o.f32());
   h.reset();
   Tensor y = dispatcher_->combine(o, d.handle, pass);

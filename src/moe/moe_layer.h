@@ -86,6 +86,12 @@ class MoELayer {
   Mxfp4ExpertWeights* mxfp4_experts() { return packed_; }
   SwiGLU* shared_experts() { return shared_.get(); }
 
+  // Inference over MXFP4 experts may quantize the routed experts' activations to int8
+  // (expert_activations.h). Int8 on fp32 experts is an error naming the layer; with Int8 set, a
+  // Train forward is an error, so nothing a backward reads ever comes from the int8 kernel.
+  void set_expert_activations(ExpertActivations activations);
+  ExpertActivations expert_activations() const { return expert_activations_; }
+
   // LoRA on the routed experts: one grouped adapter per projection (null where not adapted),
   // run beside the base grouped matmuls (fp32 or the fused MXFP4 decode).
   struct ExpertLora {
@@ -124,6 +130,7 @@ class MoELayer {
   std::unique_ptr<ExpertWeights> experts_;
   DenseExpertWeights* dense_ = nullptr;
   Mxfp4ExpertWeights* packed_ = nullptr;
+  ExpertActivations expert_activations_ = ExpertActivations::Fp32;
   std::unique_ptr<SwiGLU> shared_;
   ExpertLora lora_;
   const LoraRuntime* lora_runtime_ = nullptr;

@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "kernels/mxfp4.h"
+#include "kernels/mxfp4_gemm_q8.h"
 
 namespace moe {
 
@@ -85,8 +86,12 @@ Mxfp4Matrix col_range(Mxfp4Matrix w, int64_t c0, int64_t cn) {
 
 void Mxfp4ExpertWeights::times_weight_t(int64_t e, int part, int64_t m, const float* x,
                                         int64_t ldx, int64_t c0, int64_t cn, float* y,
-                                        int64_t ldy) const {
-  mxfp4_gemm_nt(m, x, ldx, row_range(matrix(e, part), c0, cn), y, ldy, false);
+                                        int64_t ldy, ExpertActivations activations) const {
+  const Mxfp4Matrix w = row_range(matrix(e, part), c0, cn);
+  if (activations == ExpertActivations::Int8)
+    mxfp4_gemm_nt_q8(m, x, ldx, w, y, ldy, false);
+  else
+    mxfp4_gemm_nt(m, x, ldx, w, y, ldy, false);
 }
 
 void Mxfp4ExpertWeights::times_weight(int64_t e, int part, int64_t m, const float* dy,

@@ -46,8 +46,10 @@ class Mxfp4ExpertWeights : public ExpertWeights {
   Mxfp4Matrix down(int64_t e) const { return matrix(e, 2); }
 
  protected:
+  // Int8: mxfp4_gemm_nt_q8 instead of the exact mxfp4_gemm_nt.
   void times_weight_t(int64_t e, int part, int64_t m, const float* x, int64_t ldx, int64_t c0,
-                      int64_t cn, float* y, int64_t ldy) const override;
+                      int64_t cn, float* y, int64_t ldy,
+                      ExpertActivations activations) const override;
   void times_weight(int64_t e, int part, int64_t m, const float* dy, int64_t lddy, int64_t c0,
                     int64_t cn, float* dx, int64_t lddx, bool accumulate) const override;
 
