@@ -327,7 +327,9 @@ TEST(Generation, Int8ExpertActivationsNeedAModelWithMxfp4Experts) {
   ASSERT_FALSE(m.model->moe_layers().empty());
   for (MoELayer* layer : m.model->moe_layers())
     EXPECT_EQ(layer->expert_activations(), ExpertActivations::Int8);
-  for (MoELayer* layer : load_inference_model(packed_dir).model->moe_layers())
+  // Held in a variable: a range-for over a temporary's member keeps only the member's result.
+  const InferenceModel exact = load_inference_model(packed_dir);
+  for (MoELayer* layer : exact.model->moe_layers())
     EXPECT_EQ(layer->expert_activations(), ExpertActivations::Fp32);
 }
 
