@@ -2,10 +2,11 @@
 
 // y = x·Wᵀ for inference with x quantized to int8 per 32-element block. Design in one place:
 //
-// * Why. A weight nibble becomes an integer by one byte shuffle (vpshufb: 64 codes per
-//   instruction) and 2·E2M1 × int8 products are summed exactly by integer multiply-adds
+// * Why. A weight nibble becomes an integer by one byte lookup (AVX-512 VBMI vpermb, which reads
+//   the index's low 6 bits, so neither nibble needs a mask; AVX2 vpshufb after a mask: 32 or 64
+//   codes per instruction) and 2·E2M1 × int8 products are summed exactly by integer multiply-adds
 //   (vpdpbusd with AVX-512 VNNI: 64 products per instruction; else AVX2 vpmaddubsw + vpmaddwd), so
-//   a 32-weight block costs about 4 vector instructions instead of the exact path's 8 (16-lane
+//   a 32-weight block costs about 3 vector instructions instead of the exact path's 8 (16-lane
 //   table lookups and one fused multiply-add per 16 weights). docs/PERF.md has what that buys
 //   on each target: cache-resident it is up to 1.4× (AVX-512) and 2× (AVX2) the exact path;
 //   streaming from DRAM both are limited by how fast one core pulls lines in while computing.
@@ -158,6 +159,30 @@ __attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* xb, in
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
                       _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
+
+// finish_span with AVX2: the same bytes and integers (a deinterleave and exact sums).
+__attribute__((target("avx2,fma"))) void finish_span_avx2(const int8_t* v, const float* sxh,
+                                                         QSpan& q) {
+  // Per 128-bit lane: its 8 even bytes, then its 8 odd ones; then the 64-bit quarters reordered
+  // to the 16 evens and the 16 odds of 32 elements.
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t j = 0; j < kSpanScales; ++j) {
+    const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(v + 32 * j));
+    const __m256i eo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, split), 0xD8);
+    _mm_store_si128(reinterpret_cast<__m128i*>(q.even + 16 * j), _mm256_castsi256_si128(eo));
+    _mm_store_si128(reinterpret_cast<__m128i*>(q.odd + 16 * j), _mm256_extracti128_si256(eo, 1));
+    // Sums of 8 consecutive bytes, biased to unsigned for vpsadbw: Σ(v + 128) − 1024.
+    const __m256i sums = _mm256_sub_epi64(_mm256_sad_epu8(_mm256_xor_si256(b, bias), _mm256_setzero_si256()),
+                                          _mm256_set1_epi64x(8 * 128));
+    const __m256i corr = _mm256_mullo_epi32(
+        _mm256_permutevar8x32_epi32(sums, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)),
+        _mm256_set1_epi32(-kOffset));
+    _mm_store_si128(reinterpret_cast<__m128i*>(q.corr + 4 * j), _mm256_castsi256_si128(corr));
+    _mm_store_ps(q.sxh + 4 * j, _mm_set1_ps(sxh[j]));
+  }
+}
 #endif
 
 void quantize_row(const float* x, int64_t cols, int64_t spans, QSpan* out, bool vector) {
@@ -180,54 +205,42 @@ void quantize_row(const float* x, int64_t cols, int64_t spans, QSpan* out, bool 
 #endif
       quantize_block(x + k0, qb, sxh[j]);
     }
+#ifdef MOE_Q8_X86
+    if (vector) {
+      finish_span_avx2(v, sxh, out[s]);
+      continue;
+    }
+#endif
     finish_span(v, sxh, out[s]);
   }
 }
 
-// Where span s of a W row is read from: in place for whole spans, else a padded copy (zero
-// codes, unit scales, so the padding adds fma(0, 0, acc) = acc).
+// A W row: its whole spans are read in place; a short last span (rest > 0 columns) is read as
+// if padded with zero codes and unit scales (scale byte 127). The padded elements meet q = 0, so
+// whatever codes a vector tile loads there add nothing to the exact integer sums.
 struct RowSpans {
   const uint8_t* packed;
   const uint8_t* scales;
-  const uint8_t* ahead;  // the packed row kAhead rows further on (prefetched), or nullptr
-  int64_t full;      // spans read in place
-  alignas(64) uint8_t tail_packed[kSpanBytes];
-  uint8_t tail_scales[kSpanScales];
+  const uint8_t* ahead;  // the packed row kAhead rows further on (or the last row), prefetched
+  int64_t full;          // whole spans
+  int64_t rest;          // columns of the short last span, 0 if none
 
   void set(const uint8_t* p, const uint8_t* sc, int64_t cols, const uint8_t* next) {
     packed = p;
-    ahead = next;
     scales = sc;
+    ahead = next;
     full = cols / kSpan;
-    const int64_t rest = cols - full * kSpan;
-    if (rest == 0) return;
-    std::memset(tail_packed, 0, sizeof tail_packed);
-    std::memset(tail_scales, 127, sizeof tail_scales);
-    std::memcpy(tail_packed, p + full * kSpanBytes, static_cast<size_t>(rest / 2));
-    std::memcpy(tail_scales, sc + full * kSpanScales, static_cast<size_t>(rest / mxfp4::kBlock));
+    rest = cols - full * kSpan;
   }
-  const uint8_t* bytes(int64_t s) const { return s < full ? packed + s * kSpanBytes : tail_packed; }
-  // One cache line, into L2, of the row kAhead rows (32 KiB at 1,024 columns) on per span
-  // consumed. The hardware prefetchers alone left one core streaming about 9 GB/s while the
-  // decode loop ran; 8 rows ahead into L1 changed nothing, 64 rows into L2 gave 13-15 GB/s.
-  void prefetch_ahead(int64_t s) const {
-#ifdef MOE_Q8_X86
-    if (ahead && s < full) _mm_prefetch(reinterpret_cast<const char*>(ahead + s * kSpanBytes), _MM_HINT_T1);
-#else
-    (void)s;
-#endif
-  }
-  const uint8_t* scale_bytes(int64_t s) const {
-    return s < full ? scales + s * kSpanScales : tail_scales;
+  // The short last span's scale bytes, padded with 127.
+  int32_t tail_scales() const {
+    uint32_t e4 = 0x7F7F7F7F;
+    for (int64_t j = 0; j < kSpanScales - 1; ++j)  // rest < kSpan: at most 3 blocks
+      if (j < rest / mxfp4::kBlock)
+        e4 = (e4 & ~(0xFFu << (8 * j))) | uint32_t{scales[full * kSpanScales + j]} << (8 * j);
+    return static_cast<int32_t>(e4);
   }
 };
-
-// Whether one of a span's 4 scale bytes is 0 (2^-127, a subnormal) or 255 (NaN): the vector
-// tiles build 2^(e-127) as the float with exponent field e, which is right for 1..254 only.
-inline bool has_edge_scale(uint32_t e4) {
-  auto has_zero_byte = [](uint32_t v) { return ((v - 0x01010101u) & ~v & 0x80808080u) != 0; };
-  return has_zero_byte(e4) | has_zero_byte(~e4);
-}
 
 // The adjacent-pair tree of 16 lanes.
 inline float tree16(const float* t) {
@@ -243,10 +256,17 @@ bool tile_scalar(const QSpan* const* xq, int64_t spans, const RowSpans* rows, fl
   for (int a = 0; a < A; ++a)
     for (int b = 0; b < B; ++b) {
       float acc[kLanes] = {};
+      uint8_t tail_packed[kSpanBytes] = {}, tail_scales[kSpanScales];
+      if (rows[b].rest > 0) {
+        std::memcpy(tail_packed, rows[b].packed + rows[b].full * kSpanBytes, static_cast<size_t>(rows[b].rest / 2));
+        const int32_t e4 = rows[b].tail_scales();
+        std::memcpy(tail_scales, &e4, 4);
+      }
       for (int64_t s = 0; s < spans; ++s) {
         const QSpan& q = xq[a][s];
-        const uint8_t* p = rows[b].bytes(s);
-        const uint8_t* e = rows[b].scale_bytes(s);
+        const bool whole = s < rows[b].full;
+        const uint8_t* p = whole ? rows[b].packed + s * kSpanBytes : tail_packed;
+        const uint8_t* e = whole ? rows[b].scales + s * kSpanScales : tail_scales;
         for (int64_t l = 0; l < kLanes; ++l) {
           int32_t sum = 0;
           for (int64_t i = 4 * l; i < 4 * l + 4; ++i)
@@ -287,54 +307,87 @@ MOE_Q8_AVX512_BASE inline void tree16_x4(const __m512* v, float* out) {
   _mm_storeu_ps(out, _mm512_castps512_ps128(f));
 }
 
-#define MOE_Q8_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")))
+#define MOE_Q8_AVX512_VNNI                                                                        \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,avx2,fma")))
 
-// ---- AVX-512 VNNI: one 16-lane vector per output; vpdpbusd sums 4 products per lane in one
-// instruction. (AVX-512 CPUs without VNNI run the AVX2 tile: same bits.) ----------------------------------------
+// The tiles read a W row's whole spans in place and its padded last span (if any) after them;
+// every span prefetches one cache line, into L2, of the row kAhead rows on (32 KiB at 1,024
+// columns). The hardware prefetchers alone left one core streaming about 9 GB/s while the decode
+// loop ran; 8 rows ahead into L1 changed nothing, 64 rows into L2 gave 13-15 GB/s.
+//
+// 2^(e-127) is built as the float with exponent field e, right for scale bytes 1..254 only; the
+// tiles note a byte 0 (2^-127, a subnormal) or 255 (NaN) and say so, and the caller redoes the
+// tile with the scalar code. The test runs on the integer units, which the vector-bound loop
+// leaves idle (the same test in vector registers cost 7% on AVX-512).
+struct ScaleRange {
+  uint32_t seen = 0;  // bit 7 of a byte: some scale byte there was 0 or 255
+  void add(int32_t e) {
+    const auto v = static_cast<uint32_t>(e);
+    seen |= ((v - 0x01010101u) & ~v) | ((~v - 0x01010101u) & v);
+  }
+  bool ordinary() const { return (seen & 0x80808080u) == 0; }
+};
+
+// ---- AVX-512 VNNI + VBMI: one 16-lane vector per output; vpdpbusd sums 4 products per lane in
+// one instruction. (AVX-512 CPUs without both run the AVX2 tile: same bits.) -----------------
 
 template <int A, int B>
-MOE_Q8_AVX512_VNNI bool tile_avx512_vnni(const QSpan* const* xq, int64_t spans, const RowSpans* rows,
-                               float* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+MOE_Q8_AVX512_VNNI __attribute__((always_inline)) inline void span_avx512(
+    const QSpan* const* xq, int64_t s, int b, __m512i v, int32_t e4, __m512i table, __m512i spread,
+    ScaleRange& range, __m512* acc) {
+  // The table repeats the 16 codes 4 times: vpermb's index bits 4-5 (and 6-7) do not matter.
+  const __m512i w_even = _mm512_permutexvar_epi8(v, table);
+  const __m512i w_odd = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), table);
+  range.add(e4);
+  // Lane l takes scale byte l/4 as its exponent field.
+  const __m512 ws = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(e4), spread), 23));
+#pragma GCC unroll 8
+  for (int a = 0; a < A; ++a) {
+    const QSpan& q = xq[a][s];
+    const __m512i sums = _mm512_dpbusd_epi32(
+        _mm512_dpbusd_epi32(_mm512_load_si512(q.corr), w_even, _mm512_load_si512(q.even)), w_odd,
+        _mm512_load_si512(q.odd));
+    const __m512 c = _mm512_mul_ps(_mm512_load_ps(q.sxh), ws);
+    acc[a * B + b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), c, acc[a * B + b]);
+  }
+}
+
+template <int A, int B>
+MOE_Q8_AVX512_VNNI bool tile_avx512_vnni(const QSpan* const* xq, int64_t spans,
+                                         const RowSpans* rows, float* out) {
   const __m512i table =
       _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kWeightTable)));
-  // Lane l (128-bit lane l/4) takes scale byte l/4 of a broadcast dword.
   const __m512i spread = _mm512_set_epi32(
       0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002, 0x80808002,
       0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001, 0x80808000, 0x80808000,
       0x80808000, 0x80808000);
-  bool edge = false;
+  ScaleRange range;
   __m512 acc[A * B];
 #pragma GCC unroll 16
   for (int i = 0; i < A * B; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < spans; ++s) {
+  const int64_t full = rows[0].full;
+  for (int64_t s = 0; s < full; ++s) {
 #pragma GCC unroll 8
     for (int b = 0; b < B; ++b) {
-      rows[b].prefetch_ahead(s);
-      const __m512i v = _mm512_loadu_si512(rows[b].bytes(s));
-      const __m512i w_even = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
-      const __m512i w_odd = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-      uint32_t e4;
-      std::memcpy(&e4, rows[b].scale_bytes(s), 4);
-      edge |= has_edge_scale(e4);
-      // 2^(e-127) is the float with exponent field e for bytes 1..254; `edge` reports 0 / 255.
-      const __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_shuffle_epi8(_mm512_set1_epi32(static_cast<int>(e4)), spread), 23));
-#pragma GCC unroll 8
-      for (int a = 0; a < A; ++a) {
-        const QSpan& q = xq[a][s];
-        const __m512i sums = _mm512_dpbusd_epi32(
-            _mm512_dpbusd_epi32(_mm512_load_si512(q.corr), w_even, _mm512_load_si512(q.even)),
-            w_odd, _mm512_load_si512(q.odd));
-        const __m512 c = _mm512_mul_ps(_mm512_load_ps(q.sxh), ws);
-        acc[a * B + b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), c, acc[a * B + b]);
-      }
+      _mm_prefetch(reinterpret_cast<const char*>(rows[b].ahead + s * kSpanBytes), _MM_HINT_T1);
+      int32_t e4;
+      std::memcpy(&e4, rows[b].scales + s * kSpanScales, 4);
+      span_avx512<A, B>(xq, s, b, _mm512_loadu_si512(rows[b].packed + s * kSpanBytes), e4, table,
+                        spread, range, acc);
     }
+  }
+  if (spans > full) {
+    const __mmask64 bytes = (uint64_t{1} << (rows[0].rest / 2)) - 1;
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b)
+      span_avx512<A, B>(xq, full, b, _mm512_maskz_loadu_epi8(bytes, rows[b].packed + full * kSpanBytes),
+                        rows[b].tail_scales(), table, spread, range, acc);
   }
   static_assert(A * B % 4 == 0);
 #pragma GCC unroll 4
   for (int i = 0; i < A * B; i += 4) tree16_x4(acc + i, out + i);
-  return !edge;
+  return range.ordinary();
 }
 
 // ---- AVX2: lanes 0-7 and 8-15 as two 8-lane vectors (halves of a span) ----------------------
@@ -342,50 +395,72 @@ MOE_Q8_AVX512_VNNI bool tile_avx512_vnni(const QSpan* const* xq, int64_t spans, 
 #define MOE_Q8_AVX2 __attribute__((target("avx2,fma")))
 
 template <int A, int B>
+MOE_Q8_AVX2 __attribute__((always_inline)) inline void span_avx2(
+    const QSpan* const* xq, int64_t s, int b, const __m256i* halves, int32_t e4, __m256i table,
+    const __m256i* spread, ScaleRange& range, __m256 (*acc)[2]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  range.add(e4);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = halves[h];
+    const __m256i w_even = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
+    const __m256i w_odd = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+    const __m256 ws = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_shuffle_epi8(_mm256_set1_epi32(e4), spread[h]), 23));
+#pragma GCC unroll 8
+    for (int a = 0; a < A; ++a) {
+      const QSpan& q = xq[a][s];
+      const __m256i pairs = _mm256_add_epi16(
+          _mm256_maddubs_epi16(w_even, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.even + 32 * h))),
+          _mm256_maddubs_epi16(w_odd, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.odd + 32 * h))));
+      const __m256i sums = _mm256_add_epi32(
+          _mm256_madd_epi16(pairs, ones),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(q.corr + 8 * h)));
+      const __m256 c = _mm256_mul_ps(_mm256_load_ps(q.sxh + 8 * h), ws);
+      acc[a * B + b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), c, acc[a * B + b][h]);
+    }
+  }
+}
+
+template <int A, int B>
 MOE_Q8_AVX2 bool tile_avx2(const QSpan* const* xq, int64_t spans, const RowSpans* rows,
                            float* out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i table =
       _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kWeightTable)));
-  const __m256i ones = _mm256_set1_epi16(1);
   // Half h: lane l of the half (128-bit lane l/4) takes scale byte 2h + l/4.
   const __m256i spread[2] = {
       _mm256_setr_epi32(0x80808000, 0x80808000, 0x80808000, 0x80808000, 0x80808001, 0x80808001,
                         0x80808001, 0x80808001),
       _mm256_setr_epi32(0x80808002, 0x80808002, 0x80808002, 0x80808002, 0x80808003, 0x80808003,
                         0x80808003, 0x80808003)};
-  bool edge = false;
+  ScaleRange range;
   __m256 acc[A * B][2];
 #pragma GCC unroll 16
   for (int i = 0; i < A * B; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < spans; ++s) {
+  const int64_t full = rows[0].full;
+  for (int64_t s = 0; s < full; ++s) {
 #pragma GCC unroll 8
     for (int b = 0; b < B; ++b) {
-      rows[b].prefetch_ahead(s);
-      uint32_t e4;
-      std::memcpy(&e4, rows[b].scale_bytes(s), 4);
-      edge |= has_edge_scale(e4);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[b].bytes(s) + 32 * h));
-        const __m256i w_even = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
-        const __m256i w_odd =
-            _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-        const __m256 ws = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(e4)), spread[h]), 23));
+      _mm_prefetch(reinterpret_cast<const char*>(rows[b].ahead + s * kSpanBytes), _MM_HINT_T1);
+      const auto* p = reinterpret_cast<const __m256i*>(rows[b].packed + s * kSpanBytes);
+      const __m256i halves[2] = {_mm256_loadu_si256(p), _mm256_loadu_si256(p + 1)};
+      int32_t e4;
+      std::memcpy(&e4, rows[b].scales + s * kSpanScales, 4);
+      span_avx2<A, B>(xq, s, b, halves, e4, table, spread, range, acc);
+    }
+  }
+  if (spans > full) {
+    // 16, 32 or 48 bytes: whole dwords, loaded without touching the bytes after the row.
+    const int bytes = static_cast<int>(rows[0].rest / 2);
+    const __m256i lane = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i mask[2] = {_mm256_cmpgt_epi32(_mm256_set1_epi32(bytes), lane),
+                             _mm256_cmpgt_epi32(_mm256_set1_epi32(bytes - 32), lane)};
 #pragma GCC unroll 8
-        for (int a = 0; a < A; ++a) {
-          const QSpan& q = xq[a][s];
-          const __m256i pairs = _mm256_add_epi16(
-              _mm256_maddubs_epi16(w_even, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.even + 32 * h))),
-              _mm256_maddubs_epi16(w_odd, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.odd + 32 * h))));
-          const __m256i sums = _mm256_add_epi32(
-              _mm256_madd_epi16(pairs, ones),
-              _mm256_load_si256(reinterpret_cast<const __m256i*>(q.corr + 8 * h)));
-          const __m256 c = _mm256_mul_ps(_mm256_load_ps(q.sxh + 8 * h), ws);
-          acc[a * B + b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), c, acc[a * B + b][h]);
-        }
-      }
+    for (int b = 0; b < B; ++b) {
+      const auto* p = reinterpret_cast<const int*>(rows[b].packed + full * kSpanBytes);
+      const __m256i halves[2] = {_mm256_maskload_epi32(p, mask[0]), _mm256_maskload_epi32(p + 8, mask[1])};
+      span_avx2<A, B>(xq, full, b, halves, rows[b].tail_scales(), table, spread, range, acc);
     }
   }
 #pragma GCC unroll 16
@@ -395,7 +470,7 @@ MOE_Q8_AVX2 bool tile_avx2(const QSpan* const* xq, int64_t spans, const RowSpans
     _mm256_store_ps(lanes + 8, acc[i][1]);
     out[i] = tree16(lanes);
   }
-  return !edge;
+  return range.ordinary();
 }
 
 #pragma GCC diagnostic pop
@@ -416,7 +491,7 @@ void run(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
       kernel_scratch(0, (panel_rows + A) * spans * static_cast<int64_t>(sizeof(QSpan) / 4)));
   QSpan* zero_row = panel + (panel_rows + A - 1) / A * A * spans;
   const bool vector = simd::current() != simd::Target::Scalar;
-  quantize_row(nullptr, 0, spans, zero_row, vector);  // all-zero stand-in for rows past m
+  if (m % A != 0) quantize_row(nullptr, 0, spans, zero_row, vector);  // stands in for rows past m
   RowSpans rows[B];
   float out[A * B];
   for (int64_t i0 = 0; i0 < m; i0 += kRowsPerPanel) {
@@ -426,11 +501,11 @@ void run(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
       const int64_t nb = std::min<int64_t>(B, w.rows - r0);
       for (int64_t b = 0; b < B; ++b) {
         const int64_t r = r0 + std::min<int64_t>(b, nb - 1);  // repeats the last real row
-        const int64_t rn = r0 + b + kAhead;
-        const uint8_t* next = rn < w.rows ? w.packed + rn * w.packed_stride : nullptr;
-        rows[b].set(w.packed + r * w.packed_stride, w.scales + r * w.scale_stride, w.cols, next);
+        const int64_t rn = std::min(r0 + b + kAhead, w.rows - 1);
+        rows[b].set(w.packed + r * w.packed_stride, w.scales + r * w.scale_stride, w.cols,
+                    w.packed + rn * w.packed_stride);
 #ifdef MOE_Q8_X86
-        if (rn < w.rows) _mm_prefetch(reinterpret_cast<const char*>(w.scales + rn * w.scale_stride), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w.scales + rn * w.scale_stride), _MM_HINT_T0);
 #endif
       }
       for (int64_t a0 = 0; a0 < mi; a0 += A) {
@@ -458,8 +533,9 @@ void mxfp4_gemm_nt_q8(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix&
   switch (simd::current()) {
 #ifdef MOE_Q8_X86
     case simd::Target::Avx512: {
-      static const bool vnni = __builtin_cpu_supports("avx512vnni");
-      if (vnni)
+      static const bool vnni_vbmi =
+          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+      if (vnni_vbmi)
         return m == 1 ? run<1, 4>(m, x, ldx, w, y, ldy, accumulate, tile_avx512_vnni<1, 4>)
                       : run<2, 4>(m, x, ldx, w, y, ldy, accumulate, tile_avx512_vnni<2, 4>);
       [[fallthrough]];
