@@ -87,6 +87,8 @@ inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 #include <hwy/highway.h>
 
+#include "kernels/transpose-inl.h"
+
 HWY_BEFORE_NAMESPACE();
 namespace moe {
 namespace HWY_NAMESPACE {
@@ -115,25 +117,7 @@ constexpr int64_t kMaxPackedB = int64_t{1} << 20;
 
 // ------------------------------------------------------------------------------ packing
 
-// Transposes kN vectors (rows) of kN lanes in registers: afterwards r[c] holds former lane c.
-// Each stage takes even and odd lanes of row pairs, which rotates the (row, lane) index bits by
-// one; log2(kN) stages swap row and lane bits.
-HWY_INLINE void transpose_square(V* r) {
-  const D d;
-  constexpr int kStages = kN == 16 ? 4 : 3;
-  constexpr int kHalf = static_cast<int>(kN / 2);
-#pragma GCC unroll 4
-  for (int stage = 0; stage < kStages; ++stage) {
-    V t[kN];
-#pragma GCC unroll 8
-    for (int q = 0; q < kHalf; ++q) {
-      t[q] = hn::ConcatEven(d, r[2 * q + 1], r[2 * q]);
-      t[q + kHalf] = hn::ConcatOdd(d, r[2 * q + 1], r[2 * q]);
-    }
-#pragma GCC unroll 16
-    for (int q = 0; q < kN; ++q) r[q] = t[q];
-  }
-}
+HWY_INLINE void transpose_square(V* r) { TransposeSquare<static_cast<int>(kN)>(D(), r); }
 
 // Packs B(k, j) for k in [pc, pc + kc), j in [jc, jc + nc) into panels of kNr columns,
 // out[(panel·kc + k)·kNr + column in panel]; columns past nc are zero. Only panels [jp0, jp1)

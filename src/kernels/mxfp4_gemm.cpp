@@ -29,16 +29,19 @@
 //   subset of the x / dy rows or of the W rows (nt) / column blocks (nn) reproduces the bits of
 //   those outputs in the full call. tests/test_mxfp4.cpp spells both out and compares bitwise.
 //
-// * Two paths with that arithmetic. Small m (<= 8 rows): "fused" tiles decode each W block in
-//   registers and use it at once against all m rows — one pass over the packed bytes, which
+// * Three paths with that arithmetic. Small m (<= 8 rows): "fused" tiles decode each W block
+//   in registers and use it at once against all m rows — one pass over the packed bytes, which
 //   is what the memory-bound regime needs. Larger m: "buffered" tiles decode a few W rows (nt)
 //   or a W panel (nn) into scratch once and reuse them across all x / dy row blocks from L1/L2,
-//   so the decode cost is amortised over the rows and the inner loop is pure FMAs.
+//   so the decode cost is amortised over the rows and the inner loop is pure FMAs. On AVX2, from
+//   32 rows on, nt runs each virtual lane as its own GEMM (vectors across W rows, see
+//   run_nt_lanes), which fills the FMA pipes where 16-lane accumulators do not fit the registers.
 //
 // * Scratch, per thread (kernels/kernel_scratch.h: kept between calls, counted as workspace),
 //   bounded independently of the matrix — larger operands are walked chunk by chunk:
 //     nt: the split-order x panel, at most kMc × kKc floats (256 KiB), plus on the buffered
-//         path B decoded W rows of kKc floats (B = 6 on AVX-512: 24 KiB);
+//         path B decoded W rows of kKc floats (B = 6 on AVX-512: 24 KiB); the per-lane path
+//         (AVX2) holds 132 x rows (528 KiB) and 16 decoded W rows (64 KiB);
 //     nn: on the buffered path a decoded W panel of kKr rows × 64 columns (64 KiB); the fused
 //         path needs none.
 
@@ -104,6 +107,7 @@ inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; 
 #include <hwy/highway.h>
 
 #include "kernels/exact_fma-inl.h"
+#include "kernels/transpose-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace moe {
@@ -421,6 +425,151 @@ void run_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float*
   }
 }
 
+// ---- Many x rows: one fp32 GEMM per virtual lane ----------------------------------------------
+//
+// Lane l of every output is itself an ordinary product: a chain of fused multiply-adds over the
+// chunk's elements {32·blk + 2l, 32·blk + 2l + 1} in order, from +0. So with x and the decoded W
+// regrouped by lane (x_l [rows][kl], W_l [kl][W rows], kl = cc / 16), lane l of a tile is a
+// GEMM with vectors across W rows and x broadcast: kLaneMr × 2 vectors of accumulators, two W
+// loads and kLaneMr broadcasts per kLaneMr × 2 FMAs, no lane reduction inside the loop. The 16
+// lane results then meet in the same adjacent-pair tree, vectors across W rows. Same operations
+// per output as the tiles above, in a shape the FMA pipes can fill on AVX2's 16 registers (the
+// buffered tile's 16-lane outputs need two registers each there, and 3 × 3 of them already
+// leave its FMA pipes waiting on latency: 0.75 of the fp32 path's speed at 512 rows).
+constexpr int kLaneMr = 6;           // x rows per tile
+constexpr int64_t kLaneNr = 2 * kN;  // W rows per panel
+// Used on AVX2 from this many x rows on: below it the decode of the regrouped W panel costs more
+// than the buffered 3 × 3 tile loses (measured 1408 × 1024, one thread: 0.72x at 8 rows, 0.93x
+// at 24, 1.2x at 64 and 512). On AVX-512 the buffered 4 × 6 tile, whose 16-lane accumulators fit
+// its 32 registers, stayed ahead at every size (1.0-1.5x). Each W panel is decoded once per x
+// panel of kLaneMc rows; 128 rows (a 512 KiB x panel, in L2) measured 1.05x over 64.
+constexpr int64_t kLanesFromRows = 32;
+constexpr int64_t kLaneMc = 128;
+
+// x rows [0, mi) of a chunk into tiles of kLaneMr rows (zeros past mi); tile t's lane l starts
+// at out + t·kLaneMr·cc + l·kl·kLaneMr, element k' of its rows at + k'·kLaneMr.
+HWY_INLINE void pack_x_lanes(const float* x, int64_t ldx, int64_t mi, int64_t cc, float* out) {
+  const int64_t kl = cc / 16;
+  for (int64_t a0 = 0; a0 < mi; a0 += kLaneMr) {
+    float* tile = out + a0 * cc;
+    for (int a = 0; a < kLaneMr; ++a) {
+      const float* xr = a0 + a < mi ? x + (a0 + a) * ldx : nullptr;
+      for (int64_t blk = 0; blk < cc / kBlock; ++blk)
+        for (int64_t e = 0; e < kBlock; ++e) {
+          const int64_t l = e / 2, k = 2 * blk + e % 2;
+          tile[(l * kl + k) * kLaneMr + a] = xr ? xr[blk * kBlock + e] : 0.0f;
+        }
+    }
+  }
+}
+
+// kLaneNr W rows of a chunk, decoded into panel[(l·kl + k')·kLaneNr + r]: per block and group,
+// kN rows decoded side by side and transposed in registers, so lane j's values of those rows
+// are one contiguous store.
+template <int64_t N>
+HWY_INLINE void decode_lanes(const uint8_t* const* wp, const uint8_t* const* ws, int64_t cc,
+                             float* panel) {
+  const D d;
+  const int64_t kl = cc / 16;
+  for (int64_t blk = 0; blk < cc / kBlock; ++blk)
+    for (int64_t r0 = 0; r0 < kLaneNr; r0 += N)
+#pragma GCC unroll 2
+      for (int64_t q = 0; q < kGroups; ++q) {
+        V e[N], o[N];
+#pragma GCC unroll 16
+        for (int64_t i = 0; i < N; ++i)
+          Decoder(ws[r0 + i][blk]).group(wp[r0 + i] + blk * 16 + q * N, e[i], o[i]);
+        TransposeSquare<static_cast<int>(N)>(d, e);
+        TransposeSquare<static_cast<int>(N)>(d, o);
+        float* at = panel + ((q * N) * kl + 2 * blk) * kLaneNr + r0;
+#pragma GCC unroll 16
+        for (int64_t j = 0; j < N; ++j) {
+          hn::Store(e[j], d, at + j * kl * kLaneNr);
+          hn::Store(o[j], d, at + j * kl * kLaneNr + kLaneNr);
+        }
+      }
+}
+
+// One lane's GEMM for a tile: t[a·kLaneNr + r] = chain over k' of x_l[a][k']·W_l[k'][r].
+HWY_INLINE void lane_tile(const float* HWY_RESTRICT xl, const float* HWY_RESTRICT wl, int64_t kl,
+                          float* HWY_RESTRICT t) {
+  const D d;
+  V acc[kLaneMr][2];
+#pragma GCC unroll 8
+  for (int a = 0; a < kLaneMr; ++a) acc[a][0] = acc[a][1] = hn::Zero(d);
+  for (int64_t k = 0; k < kl; ++k) {
+    const V w0 = hn::Load(d, wl + k * kLaneNr), w1 = hn::Load(d, wl + k * kLaneNr + kN);
+#pragma GCC unroll 8
+    for (int a = 0; a < kLaneMr; ++a) {
+      const V xa = hn::Set(d, xl[k * kLaneMr + a]);
+      acc[a][0] = ExactMulAdd(xa, w0, acc[a][0]);
+      acc[a][1] = ExactMulAdd(xa, w1, acc[a][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int a = 0; a < kLaneMr; ++a) {
+    hn::Store(acc[a][0], d, t + a * kLaneNr);
+    hn::Store(acc[a][1], d, t + a * kLaneNr + kN);
+  }
+}
+
+template <int64_t N>
+void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
+                  int64_t ldy, bool accumulate) {
+  const D d;
+  float* xpanel = kernel_scratch(0, round_up(kLaneMc, kLaneMr) * kKc);
+  // Slot 1: the decoded W panel, then the 16 lane results of a tile.
+  float* wpanel = kernel_scratch(1, kLaneNr * kKc + 16 * kLaneMr * kLaneNr);
+  float* lanes = wpanel + kLaneNr * kKc;
+  for (int64_t c0 = 0; c0 < w.cols; c0 += kKc) {
+    const int64_t cc = std::min(kKc, w.cols - c0), kl = cc / 16;
+    const bool first = c0 == 0 && !accumulate;
+    for (int64_t i0 = 0; i0 < m; i0 += kLaneMc) {
+      const int64_t mi = std::min(kLaneMc, m - i0);
+      pack_x_lanes(x + i0 * ldx + c0, ldx, mi, cc, xpanel);
+      for (int64_t r0 = 0; r0 < w.rows; r0 += kLaneNr) {
+        const int64_t nb = std::min(kLaneNr, w.rows - r0);
+        const uint8_t *wp[kLaneNr], *ws[kLaneNr];
+        for (int64_t b = 0; b < kLaneNr; ++b) {
+          const int64_t r = r0 + b;
+          wp[b] = r < w.rows ? w.packed + r * w.packed_stride + c0 / 2 : kZeroBytes;
+          ws[b] = r < w.rows ? w.scales + r * w.scale_stride + c0 / kBlock : kUnitScales.data();
+        }
+        decode_lanes<N>(wp, ws, cc, wpanel);
+        for (int64_t a0 = 0; a0 < mi; a0 += kLaneMr) {
+          const float* xt = xpanel + a0 * cc;
+          for (int64_t l = 0; l < 16; ++l)
+            lane_tile(xt + l * kl * kLaneMr, wpanel + l * kl * kLaneNr, kl,
+                      lanes + l * kLaneMr * kLaneNr);
+          const int64_t na = std::min<int64_t>(kLaneMr, mi - a0);
+          for (int64_t a = 0; a < na; ++a)
+            for (int64_t v = 0; v < 2; ++v) {
+              // The adjacent-pair tree over the 16 lanes, kN outputs at a time.
+              V t[16];
+#pragma GCC unroll 16
+              for (int l = 0; l < 16; ++l)
+                t[l] = hn::Load(d, lanes + (l * kLaneMr + a) * kLaneNr + v * kN);
+#pragma GCC unroll 4
+              for (int width = 16; width > 1; width /= 2)
+#pragma GCC unroll 8
+                for (int j = 0; j < width / 2; ++j) t[j] = hn::Add(t[2 * j], t[2 * j + 1]);
+              float* dst = y + (i0 + a0 + a) * ldy + r0 + v * kN;
+              const int64_t live = std::min<int64_t>(kN, nb - v * kN);
+              if (live <= 0) continue;
+              if (live == kN) {
+                hn::StoreU(first ? t[0] : hn::Add(hn::LoadU(d, dst), t[0]), d, dst);
+              } else {
+                alignas(64) float sums[kN];
+                hn::Store(t[0], d, sums);
+                for (int64_t j = 0; j < live; ++j) dst[j] = first ? sums[j] : dst[j] + sums[j];
+              }
+            }
+        }
+      }
+    }
+  }
+}
+
 // Tile shapes (A x rows × B W rows) by target width: 16 lanes means AVX-512's 32 registers
 // (A·B·kGroups accumulators plus operands must fit), 8 lanes AVX2's 16. Up to 8 rows (AVX-512)
 // fused tiles decode each W block once per tile of x rows; at one row the kernel is bound by its
@@ -452,7 +601,9 @@ void gemm_nt_dispatch(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix&
     switch (m) {
       case 1: return run_nt<1, 4, true>(m, x, ldx, w, y, ldy, accumulate);
       case 2: return run_nt<2, 2, true>(m, x, ldx, w, y, ldy, accumulate);
-      default: return run_nt<3, 3, false>(m, x, ldx, w, y, ldy, accumulate);
+      default:
+        if (m >= kLanesFromRows) return run_nt_lanes<N>(m, x, ldx, w, y, ldy, accumulate);
+        return run_nt<3, 3, false>(m, x, ldx, w, y, ldy, accumulate);
     }
   } else {
     return run_nt<1, 1, false>(m, x, ldx, w, y, ldy, accumulate);
