@@ -12,10 +12,12 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <fmt/format.h>
 #include <thread>
 #include <vector>
 
+#include "core/block_cache.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "core/simd.h"
@@ -35,21 +37,53 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// A packed matrix [rows, cols] with its scales, random codes and realistic scale bytes.
+// A packed matrix [rows, cols] with its scales, random codes and realistic scale bytes, carved
+// from a layer's arena.
 struct Packed {
-  std::vector<uint8_t> bytes, scales;
+  uint8_t *bytes = nullptr, *scales = nullptr;
   int64_t rows = 0, cols = 0;
-  Packed(int64_t r, int64_t c, Rng& rng) : bytes(static_cast<size_t>(r * c / 2)), scales(static_cast<size_t>(r * c / 32)), rows(r), cols(c) {
-    for (auto& b : bytes) b = static_cast<uint8_t>(rng.next_u64());
-    for (auto& s : scales) s = static_cast<uint8_t>(118 + rng.next_u64() % 6);
+  Packed(int64_t r, int64_t c, uint8_t*& arena, Rng& rng) : rows(r), cols(c) {
+    bytes = arena;
+    scales = arena + r * c / 2;
+    arena += nbytes();
+    for (int64_t i = 0; i < r * c / 2; ++i) bytes[i] = static_cast<uint8_t>(rng.next_u64());
+    for (int64_t i = 0; i < r * c / 32; ++i) scales[i] = static_cast<uint8_t>(118 + rng.next_u64() % 6);
   }
-  Mxfp4Matrix view() const { return {bytes.data(), scales.data(), rows, cols, cols / 2, cols / 32}; }
-  int64_t nbytes() const { return static_cast<int64_t>(bytes.size() + scales.size()); }
+  Mxfp4Matrix view() const { return {bytes, scales, rows, cols, cols / 2, cols / 32}; }
+  int64_t nbytes() const { return rows * cols / 2 + rows * cols / 32; }
 };
 
 struct Expert {
   Packed gate_up, down;
-  Expert(Rng& rng) : gate_up(2 * kWidth, kDim, rng), down(kDim, kWidth, rng) {}
+  Expert(uint8_t*& arena, Rng& rng) : gate_up(2 * kWidth, kDim, arena, rng), down(kDim, kWidth, arena, rng) {}
+  static int64_t nbytes() { return (2 * kWidth * kDim + kDim * kWidth) * 17 / 32; }
+};
+
+// One layer's experts in one allocation, as the engine holds them (Mxfp4ExpertWeights): through
+// the engine's block allocator, which offers blocks of 32 MiB and more to transparent huge pages,
+// or (--small-pages) a plain 4 KiB-page allocation.
+struct Layer {
+  HostBlock block;
+  std::vector<uint8_t> plain;
+  std::vector<Expert> experts;
+  Layer(int64_t n, bool small_pages, Rng& rng) {
+    const auto bytes = static_cast<size_t>(n * Expert::nbytes());
+    uint8_t* at = nullptr;
+    if (small_pages) {
+      plain.resize(bytes);
+      at = plain.data();
+    } else {
+      block = allocate_block(bytes);
+      at = static_cast<uint8_t*>(block.data);
+    }
+    experts.reserve(static_cast<size_t>(n));
+    for (int64_t e = 0; e < n; ++e) experts.emplace_back(at, rng);
+  }
+  Layer(const Layer&) = delete;
+  Layer& operator=(const Layer&) = delete;
+  ~Layer() {
+    if (block.data != nullptr) free_block(block);
+  }
 };
 
 }  // namespace
@@ -64,17 +98,20 @@ int main(int argc, char** argv) {
                  "experts per layer (64; e.g. --layers 1 --experts 6 keeps them cache-resident, "
                  "to see the kernels' own speed)")
       ->check(CLI::Range(int64_t{6}, int64_t{4096}));
+  bool small_pages = false;
+  app.add_flag("--small-pages", small_pages,
+               "plain 4 KiB pages instead of the engine's allocator (huge pages where offered)");
   CLI11_PARSE(app, argc, argv);
   set_num_threads(threads);
   Rng rng(1);
-  std::vector<std::vector<Expert>> experts(static_cast<size_t>(layers));
-  for (auto& l : experts)
-    for (int64_t e = 0; e < g_experts; ++e) l.emplace_back(rng);
-  const int64_t per_expert = experts[0][0].gate_up.nbytes() + experts[0][0].down.nbytes();
+  std::vector<std::unique_ptr<Layer>> experts;
+  for (int l = 0; l < layers; ++l) experts.push_back(std::make_unique<Layer>(g_experts, small_pages, rng));
+  const int64_t per_expert = Expert::nbytes();
   const double dram = bench::dram_read_gbs(threads);
-  fmt::print("{}, {} threads, {} ({}), {} layers x {} experts = {:.0f} MB packed; DRAM read {:.1f} GB/s\n\n",
+  fmt::print("{}, {} threads, {} ({}), {} layers x {} experts = {:.0f} MB packed ({}); DRAM read {:.1f} GB/s\n\n",
              simd::cpu_model(), threads, simd::name(simd::current()), simd::description(simd::current()), layers,
-             g_experts, static_cast<double>(layers * g_experts * per_expert) / 1e6, dram);
+             g_experts, static_cast<double>(layers * g_experts * per_expert) / 1e6,
+             small_pages ? "4 KiB pages" : "engine allocator", dram);
 
   std::vector<float> x(kDim, 0.5f), h(2 * kWidth * g_experts), y(kDim * g_experts);
   bool int8 = false;
@@ -92,7 +129,7 @@ int main(int argc, char** argv) {
     int64_t bytes = 0;
     auto token = [&](int64_t t) {
       for (int l = 0; l < layers; ++l) {
-        const auto& layer = experts[static_cast<size_t>((t + l) % layers)];
+        const auto& layer = experts[static_cast<size_t>((t + l) % layers)]->experts;
         if (routed) {
           for (int64_t j = 0; j < kTopK; ++j) pick[j] = static_cast<int64_t>(rng.next_u64() % g_experts);
           parallel_for_dynamic(0, kTopK, [&](int64_t j) { expert_forward(layer[pick[j]], j); });
