@@ -7,8 +7,10 @@
 #   bash scripts/fuzz.sh                          # every target, FUZZ_TIME seconds each (CI)
 #   FUZZ_RUNS=10000000 bash scripts/fuzz.sh       # the long run: that many executions each
 #   bash scripts/fuzz.sh tokenizer serve_request  # some targets only
+#   FUZZ_RESUME=1 FUZZ_RUNS=1000000 bash scripts/fuzz.sh serve_request  # go on from the last corpus
 #
 # Environment: BUILD_DIR (build-fuzz), FUZZ_TIME (10 s), FUZZ_RUNS (unset: time-bounded),
+# FUZZ_RESUME (1: keep the work directory's corpus from an earlier run instead of reseeding),
 # FUZZ_WORK_DIR ($BUILD_DIR/fuzz-work: corpora, logs and findings), FUZZ_ARGS (more libFuzzer
 # flags), MOE_MAX_LOAD_BYTES (512M: the engine's cap on one load, below libFuzzer's limits),
 # FUZZ_MALLOC_LIMIT_MB (1024), FUZZ_RSS_LIMIT_MB (2048).
@@ -84,10 +86,15 @@ PY
 failed=()
 for t in $TARGETS; do
   dir=$WORK/$t
-  rm -rf "$dir"
-  mkdir -p "$dir/corpus" "$dir/findings"
-  if [ -d "tests/fuzz/corpus/$t" ]; then cp tests/fuzz/corpus/"$t"/* "$dir/corpus/"; fi
-  fixture_seeds "$t" "$dir/corpus"
+  if [ "${FUZZ_RESUME:-0}" = 1 ] && [ -n "$(ls -A "$dir/corpus" 2>/dev/null)" ]; then
+    rm -rf "$dir/findings"
+    mkdir -p "$dir/findings"
+  else
+    rm -rf "$dir"
+    mkdir -p "$dir/corpus" "$dir/findings"
+    if [ -d "tests/fuzz/corpus/$t" ]; then cp tests/fuzz/corpus/"$t"/* "$dir/corpus/"; fi
+    fixture_seeds "$t" "$dir/corpus"
+  fi
   bound=(-max_total_time="$FUZZ_TIME") what="$FUZZ_TIME s"
   [ -n "$FUZZ_RUNS" ] && bound=(-runs="$FUZZ_RUNS") what="$FUZZ_RUNS runs"
   echo "== fuzz_$t: $(ls "$dir/corpus" | wc -l) seeds, $what"
