@@ -286,6 +286,10 @@ struct PackedMatrix {
     for (auto& b : packed) b = static_cast<uint8_t>(rng.next_u64());
     // Scales 2^-6 .. 2^2 around 2^-2: magnitudes like real weights, all codes present.
     for (auto& s : scales) s = static_cast<uint8_t>(121 + rng.next_u64() % 9);
+    // The bytes between rows are NaN scales: a kernel that reads a scale past a row's last
+    // block gives NaN where the references do not.
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t j = c / 32; j < sstride; ++j) scales[static_cast<size_t>(i * sstride + j)] = 255;
   }
   Mxfp4Matrix view(int64_t r0 = 0, int64_t rn = -1, int64_t c0 = 0, int64_t cn = -1) const {
     if (rn < 0) rn = rows - r0;
@@ -471,7 +475,7 @@ TEST(Mxfp4Gemm, ExtremeScaleBytes) {
     PackedMatrix pm(9, 96, rng);
     for (auto& s : pm.scales) s = static_cast<uint8_t>(scale);
     const float in_scale = std::ldexp(1.0f, scale <= 127 ? 100 : -100);
-    for (int64_t m : {3, 12}) {
+    for (int64_t m : {3, 12, 40}) {  // 40: AVX2's per-lane path
       SCOPED_TRACE(::testing::Message() << "scale byte " << scale << " m=" << m);
       const std::vector<float> W = dequantize(pm.view());
       std::vector<float> x = random_floats(m * 96, rng), dy = random_floats(m * 9, rng);
@@ -499,9 +503,11 @@ TEST(Mxfp4Gemm, NanScalePropagates) {
   Rng rng(26);
   PackedMatrix pm(4, 64, rng);
   pm.scales[2 * pm.sstride + 1] = 0xFF;  // row 2, second block
-  std::vector<float> x = random_floats(64, rng), y(4), dy(4, 1.0f), dx(64);
-  mxfp4_gemm_nt(1, x.data(), 64, pm.view(), y.data(), 4, false);
-  for (int r = 0; r < 4; ++r) EXPECT_EQ(std::isnan(y[r]), r == 2) << r;
+  std::vector<float> x = random_floats(40 * 64, rng), y(40 * 4), dy(4, 1.0f), dx(64);
+  for (int64_t m : {1, 12, 40}) {  // fused, buffered and (AVX2) per-lane paths
+    mxfp4_gemm_nt(m, x.data(), 64, pm.view(), y.data(), 4, false);
+    for (int64_t i = 0; i < m * 4; ++i) EXPECT_EQ(std::isnan(y[i]), i % 4 == 2) << m << " " << i;
+  }
   mxfp4_gemm_nn(1, dy.data(), 4, pm.view(), dx.data(), 64, false);
   for (int c = 0; c < 64; ++c) EXPECT_EQ(std::isnan(dx[c]), c >= 32) << c;
 }
@@ -748,6 +754,28 @@ TEST(Mxfp4GemmQ8, EdgeScalesAndNonFiniteInputs) {
       }
     }
     EXPECT_FALSE(std::isnan(y[1]) || std::isnan(y[2])) << "2^-127 and 2^-126 blocks are finite";
+    // The same in a short last span (160 columns: its block 4 is the tail span's only block),
+    // with x zero elsewhere and the block's codes all +1, so a tile that missed the edge bytes
+    // would give 0 instead of the 2^-127 block's tiny sum and +Inf instead of NaN.
+    PackedMatrix tail(5, 160, rng);
+    tail.scales[1 * tail.sstride + 4] = 0;
+    tail.scales[3 * tail.sstride + 4] = 255;
+    for (int64_t r : {1, 3})
+      for (int64_t k = 64; k < 80; ++k) tail.packed[static_cast<size_t>(r * tail.pstride + k)] = 0x22;
+    std::vector<float> xt(3 * 160, 0.0f), yt(3 * 5);
+    for (int64_t i = 0; i < 3; ++i)
+      for (int64_t k = 128; k < 160; ++k) xt[i * 160 + k] = 0.5f + 0.01f * static_cast<float>(k - 128 + i);
+    mxfp4_gemm_nt_q8(3, xt.data(), 160, tail.view(), yt.data(), 5, false);
+    const std::vector<float> want_t = q8_contract(tail.view(), 3, xt.data(), 160, yt, 5, false);
+    for (int64_t i = 0; i < 15; ++i) {
+      EXPECT_EQ(std::isnan(yt[i]), i % 5 == 3) << i;
+      if (i % 5 != 3) {
+        EXPECT_EQ(std::memcmp(&yt[i], &want_t[i], 4), 0) << i;
+      }
+      if (i % 5 == 1) {
+        EXPECT_NE(yt[i], 0.0f) << "the 2^-127 block's sum is tiny, not zero";
+      }
+    }
     std::vector<float> zeros(256, 0.0f), yz(9, 1.0f);
     mxfp4_gemm_nt_q8(1, zeros.data(), 256, pm.view(0, 6), yz.data(), 9, false);
     for (int64_t r = 0; r < 6; ++r) EXPECT_EQ(yz[r], 0.0f);

@@ -232,7 +232,8 @@ struct RowSpans {
     full = cols / kSpan;
     rest = cols - full * kSpan;
   }
-  // The short last span's scale bytes, padded with 127.
+  // The short last span's scale bytes, padded with 127, as the dword the vector tiles broadcast
+  // (byte j in bits 8j..8j+7: x86 is little-endian).
   int32_t tail_scales() const {
     uint32_t e4 = 0x7F7F7F7F;
     for (int64_t j = 0; j < kSpanScales - 1; ++j)  // rest < kSpan: at most 3 blocks
@@ -256,11 +257,11 @@ bool tile_scalar(const QSpan* const* xq, int64_t spans, const RowSpans* rows, fl
   for (int a = 0; a < A; ++a)
     for (int b = 0; b < B; ++b) {
       float acc[kLanes] = {};
-      uint8_t tail_packed[kSpanBytes] = {}, tail_scales[kSpanScales];
+      uint8_t tail_packed[kSpanBytes] = {}, tail_scales[kSpanScales] = {127, 127, 127, 127};
       if (rows[b].rest > 0) {
         std::memcpy(tail_packed, rows[b].packed + rows[b].full * kSpanBytes, static_cast<size_t>(rows[b].rest / 2));
-        const int32_t e4 = rows[b].tail_scales();
-        std::memcpy(tail_scales, &e4, 4);
+        std::memcpy(tail_scales, rows[b].scales + rows[b].full * kSpanScales,
+                    static_cast<size_t>(rows[b].rest / mxfp4::kBlock));
       }
       for (int64_t s = 0; s < spans; ++s) {
         const QSpan& q = xq[a][s];
@@ -459,7 +460,9 @@ MOE_Q8_AVX2 bool tile_avx2(const QSpan* const* xq, int64_t spans, const RowSpans
 #pragma GCC unroll 8
     for (int b = 0; b < B; ++b) {
       const auto* p = reinterpret_cast<const int*>(rows[b].packed + full * kSpanBytes);
-      const __m256i halves[2] = {_mm256_maskload_epi32(p, mask[0]), _mm256_maskload_epi32(p + 8, mask[1])};
+      // (p + 8 is not formed unless the second half has bytes: it may lie past the buffer.)
+      const __m256i halves[2] = {_mm256_maskload_epi32(p, mask[0]),
+                                 bytes > 32 ? _mm256_maskload_epi32(p + 8, mask[1]) : _mm256_setzero_si256()};
       span_avx2<A, B>(xq, full, b, halves, rows[b].tail_scales(), table, spread, range, acc);
     }
   }
