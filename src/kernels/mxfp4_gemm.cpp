@@ -41,7 +41,8 @@
 //   bounded independently of the matrix — larger operands are walked chunk by chunk:
 //     nt: the split-order x panel, at most kMc × kKc floats (256 KiB), plus on the buffered
 //         path B decoded W rows of kKc floats (B = 6 on AVX-512: 24 KiB); the per-lane path
-//         (AVX2) holds 132 x rows (528 KiB) and 16 decoded W rows (64 KiB);
+//         (AVX2) holds 132 x rows (528 KiB), then 16 decoded W rows (64 KiB) and the 16 lane
+//         results of a tile (6 KiB);
 //     nn: on the buffered path a decoded W panel of kKr rows × 64 columns (64 KiB); the fused
 //         path needs none.
 
