@@ -185,6 +185,9 @@ void expect_plan_matches(const TrainConfig& cfg) {
     EXPECT_NEAR(static_cast<double>(plan[c]), measured, 0.01 * measured)
         << mem_category_name(c) << "\n" << table;
   }
+  // Workspace is planned as the bound every thread may reach (see the top of the file).
+  EXPECT_GE(plan[MemCategory::Workspace], m.peak[static_cast<size_t>(MemCategory::Workspace)])
+      << table;
 }
 
 }  // namespace

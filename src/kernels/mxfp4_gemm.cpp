@@ -41,8 +41,8 @@
 //   bounded independently of the matrix — larger operands are walked chunk by chunk:
 //     nt: the split-order x panel, at most kMc × kKc floats (256 KiB), plus on the buffered
 //         path B decoded W rows of kKc floats (B = 6 on AVX-512: 24 KiB); the per-lane path
-//         (AVX2) holds 132 x rows (528 KiB), then 16 decoded W rows (64 KiB) and the 16 lane
-//         results of a tile (6 KiB);
+//         (AVX2) holds 258 x rows (1 MiB), then two panels of 16 decoded W rows (this one and
+//         the next: 128 KiB) and the 16 lane results of a tile (6 KiB);
 //     nn: on the buffered path a decoded W panel of kKr rows × 64 columns (64 KiB); the fused
 //         path needs none.
 
@@ -443,9 +443,11 @@ constexpr int64_t kLaneNr = 2 * kN;  // W rows per panel
 // than the buffered 3 × 3 tile loses (measured 1408 × 1024, one thread: 0.72x at 8 rows, 0.93x
 // at 24, 1.2x at 64 and 512). On AVX-512 the buffered 4 × 6 tile, whose 16-lane accumulators fit
 // its 32 registers, stayed ahead at every size (1.0-1.5x). Each W panel is decoded once per x
-// panel of kLaneMc rows; 128 rows (a 512 KiB x panel, in L2) measured 1.05x over 64.
+// panel of kLaneMc rows. 256 rows (a 1 MiB x panel) measured 1.05x over 128 at 512 rows: fewer
+// decodes of each W panel, and the x panel is read as a sequential stream of broadcasts (4 bytes
+// per cycle), which the prefetchers keep up with from L3 where it exceeds L2 (Zen 3: 512 KiB).
 constexpr int64_t kLanesFromRows = 32;
-constexpr int64_t kLaneMc = 128;
+constexpr int64_t kLaneMc = 256;
 
 // x rows [0, mi) of a chunk into tiles of kLaneMr rows (zeros past mi); tile t's lane l starts
 // at out + t·kLaneMr·cc + l·kl·kLaneMr, element k' of its rows at + k'·kLaneMr.
@@ -466,29 +468,29 @@ HWY_INLINE void pack_x_lanes(const float* x, int64_t ldx, int64_t mi, int64_t cc
 
 // kLaneNr W rows of a chunk, decoded into panel[(l·kl + k')·kLaneNr + r]: per block and group,
 // kN rows decoded side by side and transposed in registers, so lane j's values of those rows
-// are one contiguous store.
+// are one contiguous store. A panel is decoded in kDecodePieces pieces (piece = block, group,
+// kN rows), so run_nt_lanes can spread the next panel's decode between this panel's FMAs.
+constexpr int64_t kPiecesPerBlock = kGroups * (kLaneNr / kN);
+
 template <int64_t N>
-HWY_INLINE void decode_lanes(const uint8_t* const* wp, const uint8_t* const* ws, int64_t cc,
-                             float* panel) {
+HWY_INLINE void decode_lane_piece(const uint8_t* const* wp, const uint8_t* const* ws, int64_t cc,
+                                  int64_t piece, float* panel) {
   const D d;
   const int64_t kl = cc / 16;
-  for (int64_t blk = 0; blk < cc / kBlock; ++blk)
-    for (int64_t r0 = 0; r0 < kLaneNr; r0 += N)
-#pragma GCC unroll 2
-      for (int64_t q = 0; q < kGroups; ++q) {
-        V e[N], o[N];
+  const int64_t blk = piece / kPiecesPerBlock, q = piece % kGroups;
+  const int64_t r0 = (piece % kPiecesPerBlock) / kGroups * N;
+  V e[N], o[N];
 #pragma GCC unroll 16
-        for (int64_t i = 0; i < N; ++i)
-          Decoder(ws[r0 + i][blk]).group(wp[r0 + i] + blk * 16 + q * N, e[i], o[i]);
-        TransposeSquare<static_cast<int>(N)>(d, e);
-        TransposeSquare<static_cast<int>(N)>(d, o);
-        float* at = panel + ((q * N) * kl + 2 * blk) * kLaneNr + r0;
+  for (int64_t i = 0; i < N; ++i)
+    Decoder(ws[r0 + i][blk]).group(wp[r0 + i] + blk * 16 + q * N, e[i], o[i]);
+  TransposeSquare<static_cast<int>(N)>(d, e);
+  TransposeSquare<static_cast<int>(N)>(d, o);
+  float* at = panel + ((q * N) * kl + 2 * blk) * kLaneNr + r0;
 #pragma GCC unroll 16
-        for (int64_t j = 0; j < N; ++j) {
-          hn::Store(e[j], d, at + j * kl * kLaneNr);
-          hn::Store(o[j], d, at + j * kl * kLaneNr + kLaneNr);
-        }
-      }
+  for (int64_t j = 0; j < N; ++j) {
+    hn::Store(e[j], d, at + j * kl * kLaneNr);
+    hn::Store(o[j], d, at + j * kl * kLaneNr + kLaneNr);
+  }
 }
 
 // One lane's GEMM for a tile: t[a·kLaneNr + r] = chain over k' of x_l[a][k']·W_l[k'][r].
@@ -514,34 +516,56 @@ HWY_INLINE void lane_tile(const float* HWY_RESTRICT xl, const float* HWY_RESTRIC
   }
 }
 
+// W row pointers of the panel at r0 (stand-ins past the last row).
+HWY_INLINE void lane_panel_rows(const Mxfp4Matrix& w, int64_t r0, int64_t c0, const uint8_t** wp,
+                                const uint8_t** ws) {
+  for (int64_t b = 0; b < kLaneNr; ++b) {
+    const int64_t r = r0 + b;
+    wp[b] = r < w.rows ? w.packed + r * w.packed_stride + c0 / 2 : kZeroBytes;
+    ws[b] = r < w.rows ? w.scales + r * w.scale_stride + c0 / kBlock : kUnitScales.data();
+  }
+}
+
 template <int64_t N>
 void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
                   int64_t ldy, bool accumulate) {
   const D d;
   float* xpanel = kernel_scratch(0, round_up(kLaneMc, kLaneMr) * kKc);
-  // Slot 1: the decoded W panel, then the 16 lane results of a tile.
-  float* wpanel = kernel_scratch(1, kLaneNr * kKc + 16 * kLaneMr * kLaneNr);
-  float* lanes = wpanel + kLaneNr * kKc;
+  // Slot 1: two decoded W panels (this one and the next), then the 16 lane results of a tile.
+  float* wpanels = kernel_scratch(1, 2 * kLaneNr * kKc + 16 * kLaneMr * kLaneNr);
+  float* lanes = wpanels + 2 * kLaneNr * kKc;
   for (int64_t c0 = 0; c0 < w.cols; c0 += kKc) {
     const int64_t cc = std::min(kKc, w.cols - c0), kl = cc / 16;
+    const int64_t pieces = cc / kBlock * kPiecesPerBlock;
     const bool first = c0 == 0 && !accumulate;
     for (int64_t i0 = 0; i0 < m; i0 += kLaneMc) {
       const int64_t mi = std::min(kLaneMc, m - i0);
+      const int64_t tiles = (mi + kLaneMr - 1) / kLaneMr;
       pack_x_lanes(x + i0 * ldx + c0, ldx, mi, cc, xpanel);
-      for (int64_t r0 = 0; r0 < w.rows; r0 += kLaneNr) {
+      const uint8_t *wp[kLaneNr], *ws[kLaneNr];
+      lane_panel_rows(w, 0, c0, wp, ws);
+      for (int64_t p = 0; p < pieces; ++p) decode_lane_piece<N>(wp, ws, cc, p, wpanels);
+      for (int64_t r0 = 0, cur = 0; r0 < w.rows; r0 += kLaneNr, cur ^= 1) {
         const int64_t nb = std::min(kLaneNr, w.rows - r0);
-        const uint8_t *wp[kLaneNr], *ws[kLaneNr];
-        for (int64_t b = 0; b < kLaneNr; ++b) {
-          const int64_t r = r0 + b;
-          wp[b] = r < w.rows ? w.packed + r * w.packed_stride + c0 / 2 : kZeroBytes;
-          ws[b] = r < w.rows ? w.scales + r * w.scale_stride + c0 / kBlock : kUnitScales.data();
-        }
-        decode_lanes<N>(wp, ws, cc, wpanel);
+        const float* wpanel = wpanels + cur * kLaneNr * kKc;
+        float* next = wpanels + (cur ^ 1) * kLaneNr * kKc;
+        // The next panel is decoded a piece at a time between this panel's lane GEMMs: the
+        // decode runs on the shuffle pipes while the FMA pipes are busy with the lanes
+        // (measured 1.04-1.07x at 32-64 rows over decoding it in one go; vpermps and the transposes
+        // share a pipe with the FMAs, so the overlap is partial).
+        const bool more = r0 + kLaneNr < w.rows;
+        if (more) lane_panel_rows(w, r0 + kLaneNr, c0, wp, ws);
+        int64_t decoded = 0, step = 0;
+        const int64_t steps = tiles * 16;
         for (int64_t a0 = 0; a0 < mi; a0 += kLaneMr) {
           const float* xt = xpanel + a0 * cc;
-          for (int64_t l = 0; l < 16; ++l)
+          for (int64_t l = 0; l < 16; ++l) {
             lane_tile(xt + l * kl * kLaneMr, wpanel + l * kl * kLaneNr, kl,
                       lanes + l * kLaneMr * kLaneNr);
+            if (more)
+              for (const int64_t until = ++step * pieces / steps; decoded < until; ++decoded)
+                decode_lane_piece<N>(wp, ws, cc, decoded, next);
+          }
           const int64_t na = std::min<int64_t>(kLaneMr, mi - a0);
           for (int64_t a = 0; a < na; ++a)
             for (int64_t v = 0; v < 2; ++v) {
