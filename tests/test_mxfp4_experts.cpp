@@ -650,6 +650,22 @@ std::vector<float> int8_rows_direct(const MoeCall& call, MoELayer& layer) {
   return out;
 }
 
+// The int8 logits are the same bits at 1 and 2 threads and on every SIMD target, and switching
+// back to fp32 activations gives the exact path's logits again.
+template <class Model>
+void expect_int8_logits_reproducible(Model& model, const Tensor& tokens, const BatchShape& shape,
+                                     const Tensor& int8, const Tensor& exact) {
+  const int threads = num_threads();
+  for (int n : {1, 2}) {
+    set_num_threads(n);
+    EXPECT_EQ(floats_of(model.logits(tokens, shape)), floats_of(int8)) << n << " threads";
+  }
+  set_num_threads(threads);
+  expect_same_bits_on_every_target([&] { return floats_of(model.logits(tokens, shape)); });
+  model.set_expert_activations(ExpertActivations::Fp32);
+  EXPECT_TRUE(same_bytes(model.logits(tokens, shape), exact));
+}
+
 }  // namespace
 
 TEST(Int8ExpertActivations, V3LogitsStayWithinTheKernelBoundCarriedToThem) {
@@ -770,16 +786,7 @@ TEST(Int8ExpertActivations, V3LogitsStayWithinTheKernelBoundCarriedToThem) {
               "(mean)\n",
               rq.worst, chain.worst, chain.mean, stage.worst, stage.mean);
 
-  // The same bits at 1 and 2 threads and on every SIMD target; fp32 again gives the exact path.
-  const int threads = num_threads();
-  for (int n : {1, 2}) {
-    set_num_threads(n);
-    EXPECT_EQ(floats_of(model.logits(tokens, shape)), floats_of(int8)) << n << " threads";
-  }
-  set_num_threads(threads);
-  expect_same_bits_on_every_target([&] { return floats_of(model.logits(tokens, shape)); });
-  model.set_expert_activations(ExpertActivations::Fp32);
-  EXPECT_TRUE(same_bytes(model.logits(tokens, shape), exact));
+  expect_int8_logits_reproducible(model, tokens, shape, int8, exact);
 }
 
 TEST(Int8ExpertActivations, EveryMoELayerOfAV4ModelRunsTheInt8KernelWithinItsBound) {
@@ -819,15 +826,7 @@ TEST(Int8ExpertActivations, EveryMoELayerOfAV4ModelRunsTheInt8KernelWithinItsBou
     EXPECT_GT(rq.beyond_fp32, 1.0) << "this layer did not run the int8 kernel";
     EXPECT_EQ(floats_of(cq.expert_out), int8_rows_direct(cq, *layers[l]));
   }
-  const int threads = num_threads();
-  for (int n : {1, 2}) {
-    set_num_threads(n);
-    EXPECT_EQ(floats_of(model.logits(tokens, shape)), floats_of(int8)) << n << " threads";
-  }
-  set_num_threads(threads);
-  expect_same_bits_on_every_target([&] { return floats_of(model.logits(tokens, shape)); });
-  model.set_expert_activations(ExpertActivations::Fp32);
-  EXPECT_TRUE(same_bytes(model.logits(tokens, shape), exact));
+  expect_int8_logits_reproducible(model, tokens, shape, int8, exact);
 }
 
 TEST(Int8ExpertActivations, NeverInATrainingForwardAndOnlyOverMxfp4Experts) {
