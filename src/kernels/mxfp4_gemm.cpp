@@ -195,9 +195,9 @@ class BlockDecoder {
           _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
       const __m256i order = _mm256_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 8, 9, 10, 11, 8, 9, 10, 11,
                                              4, 5, 6, 7, 4, 5, 6, 7, 12, 13, 14, 15, 12, 13, 14, 15);
+      const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
       const __m256i nibbles = _mm256_and_si256(
-          _mm256_srlv_epi32(_mm256_shuffle_epi8(src, order), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)),
-          _mm256_set1_epi8(0x0F));
+          _mm256_srlv_epi32(_mm256_shuffle_epi8(src, order), shifts), _mm256_set1_epi8(0x0F));
       // 2. Bytes 2 and 3 of each decoded float.
       const __m256i lo = _mm256_shuffle_epi8(
           _mm256_load_si256(reinterpret_cast<const __m256i*>(kScaledE2M1.lo[scale_])), nibbles);
@@ -615,8 +615,8 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
         float* next = wpanels + (cur ^ 1) * kLaneNr * kKc;
         // The next panel is decoded a piece at a time between this panel's lane GEMMs: the
         // decode runs on the shuffle pipes while the FMA pipes are busy with the lanes
-        // (measured 1.04-1.07x at 32-64 rows over decoding it in one go; vpermps and the transposes
-        // share a pipe with the FMAs, so the overlap is partial).
+        // (measured 1.04-1.07x at 32-64 rows over decoding it in one go; the transposes share a
+        // pipe with the FMAs, so the overlap is partial).
         const bool more = r0 + kLaneNr < w.rows;
         if (more) lane_panel_rows(w, r0 + kLaneNr, c0, wp, ws);
         int64_t decoded = 0, step = 0;
