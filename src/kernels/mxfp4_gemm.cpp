@@ -526,8 +526,8 @@ HWY_INLINE void pack_x_lanes(const float* x, int64_t ldx, int64_t mi, int64_t cc
 
 // kLaneNr W rows of a chunk, decoded into panel[(l·kl + k')·kLaneNr + r]: per block and group,
 // kN rows decoded side by side and transposed in registers, so lane j's values of those rows
-// are one contiguous store. A panel is decoded in kDecodePieces pieces (piece = block, group,
-// kN rows), so run_nt_lanes can spread the next panel's decode between this panel's FMAs.
+// are one contiguous store. A panel is decoded in pieces of one block of kN rows, so
+// run_nt_lanes can spread the next panel's decode between this panel's FMAs.
 constexpr int64_t kPiecesPerBlock = kLaneNr / kN;
 
 template <int64_t N>
