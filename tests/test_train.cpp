@@ -129,6 +129,17 @@ TEST(TrainConfig, FileOverridesAndRoundTrip) {
   EXPECT_EQ(back.optimizer.weight_decay, 0.25);
   EXPECT_EQ(back.model.overrides, c.model.overrides);
 
+  // Strings with newlines, one of them leading (TOML trims a newline that opens a multi-line
+  // string: fuzz_train_config found the written file reading back without it).
+  const TrainConfig nl = parse_train_config(
+      "[data]\njsonl_field = \"\\nfield\\n\"\n[model]\npreset = \"debug\"\nnote = \"\\n_a\\\\*\"\n",
+      "newlines");
+  EXPECT_EQ(nl.data.jsonl_field, "\nfield\n");
+  const TrainConfig nl_back = parse_train_config(train_config_to_toml(nl), "round trip");
+  EXPECT_EQ(nl_back.data.jsonl_field, "\nfield\n");
+  EXPECT_EQ(nl_back.model.overrides, nl.model.overrides);
+  EXPECT_EQ(nl_back.model.overrides["note"], "\n_a\\*");
+
   const ModelConfig m = resolve_train_model(c, 264, 256);
   EXPECT_EQ(m.num_hidden_layers, 2);
   EXPECT_EQ(m.n_routed_experts, 4);

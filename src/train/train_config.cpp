@@ -290,8 +290,15 @@ std::string train_config_to_toml(const TrainConfig& cfg) {
   if (!cfg.finetune) root.erase("lora");
   toml::table& model = *root["model"].as_table();
   for (const auto& [k, v] : cfg.model.overrides.items()) json_to_toml(v, model, k);
+  // Basic strings only ("..." with escapes). toml++ 3.3 writes a string holding a newline as a
+  // multi-line one, and TOML drops a newline right after the opening quotes, so a value that
+  // starts with one read back without it (found by fuzz_train_config); without multi-line
+  // strings it wrote a literal '...' string with the newline in it, which TOML forbids.
+  constexpr toml::format_flags flags = toml::toml_formatter::default_flags &
+                                       ~toml::format_flags::allow_multi_line_strings &
+                                       ~toml::format_flags::allow_literal_strings;
   std::ostringstream os;
-  os << root << "\n";
+  os << toml::toml_formatter(root, flags) << "\n";
   return os.str();
 }
 
