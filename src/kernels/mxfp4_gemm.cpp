@@ -154,12 +154,7 @@ template <int64_t N>
 class BlockDecoder {
  public:
   explicit BlockDecoder(uint8_t scale_byte) : scale_(scale_byte) {
-    const D d;
-    if constexpr (N >= 16) {
-      table_ = hn::Load(d, kScaledE2M1.v[scale_byte]);
-    } else {
-      for (int i = 0; i < 16; ++i) lut_[i] = kScaledE2M1.v[scale_byte][i];
-    }
+    if constexpr (N >= 16) table_ = hn::Load(D(), kScaledE2M1.v[scale_byte]);
   }
 
   HWY_INLINE void group(const uint8_t* bytes, V& e, V& o) const {
@@ -172,10 +167,11 @@ class BlockDecoder {
       o = lookup(hn::ShiftRight<4>(b));
     } else {
       // Narrower vectors: no 16-entry table fits one; decode via memory (AVX2 uses block()).
+      const float* lut = kScaledE2M1.v[scale_];
       alignas(64) float te[16], to[16];
       for (int64_t j = 0; j < N; ++j) {
-        te[j] = lut_[bytes[j] & 15];
-        to[j] = lut_[bytes[j] >> 4];
+        te[j] = lut[bytes[j] & 15];
+        to[j] = lut[bytes[j] >> 4];
       }
       e = hn::Load(d, te);
       o = hn::Load(d, to);
@@ -231,8 +227,7 @@ class BlockDecoder {
   }
 
   uint8_t scale_;
-  V table_;
-  float lut_[16];
+  V table_;  // AVX-512 only
 };
 using Decoder = BlockDecoder<kN>;
 
