@@ -27,7 +27,7 @@
 #include "model/model.h"
 #include "io/model_spec.h"
 #include "kernels/fma_peak.h"
-#include "machine_peak.h"
+#include "kernels/read_bandwidth.h"
 
 using namespace moe;
 
@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
   DeepSeekModel model(cfg);
   model.init_weights(1);
   const FmaPeak peak = measure_fma_peak(threads);
-  const double dram = bench::dram_read_gbs(threads);
+  const double dram = measure_dram_read_gbs(threads);
   const TokenCost cost = token_cost(model);
   fmt::print("{}, {} threads, {} ({}); FMA peak {:.0f} GFLOP/s, DRAM read {:.1f} GB/s\n",
              simd::cpu_model(), threads, simd::name(simd::current()),

@@ -8,7 +8,6 @@
 // small m streams its weights from DRAM as a real MoE layer does.
 #include <benchmark/benchmark.h>
 #include <cblas.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -19,6 +18,7 @@
 #include "core/rng.h"
 #include "kernels/mxfp4.h"
 #include "kernels/mxfp4_gemm.h"
+#include "kernels/read_bandwidth.h"
 
 using namespace moe;
 
@@ -30,14 +30,9 @@ struct Shape {
 constexpr Shape kShapes[] = {{1408, 1024}, {1024, 704}};
 constexpr int64_t kMaxM = 512;
 
-int64_t llc_bytes() {
-  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-  return l3 > 0 ? l3 : int64_t{64} << 20;
-}
-
 // Enough experts of `bytes_each` to cover twice the last-level cache (at least 4).
 int64_t experts_for(int64_t bytes_each) {
-  return std::max<int64_t>(4, (2 * llc_bytes() + bytes_each - 1) / bytes_each);
+  return std::max<int64_t>(4, (2 * last_level_cache_bytes() + bytes_each - 1) / bytes_each);
 }
 
 struct ShapeData {

@@ -1,11 +1,13 @@
 // MXFP4 expert matmuls in the decode regime, against the machine's DRAM read bandwidth measured
 // in the same run. Experts of several layers (dim 1024, width 704, 64 experts, 73.5 MB of packed
-// weights per layer: far beyond the last-level cache) are cycled through as real decoding does:
+// weights per layer; as many layers as hold three times the last-level cache) are cycled through
+// as real decoding does:
 //  * routed: one token through its top-6 experts per layer (gate‖up then down, m = 1), a fresh
 //    random choice per token and layer;
 //  * all experts: one token per expert over every expert of a layer (m = 1 each).
 // The figure is packed bytes read per second (weights + scales) and its fraction of DRAM read
-// bandwidth (a plain streaming read of 1 GiB on all threads, best of 5). Threads: --threads;
+// bandwidth (a plain streaming read of 1 GiB, or 4 times the last-level cache, on all threads, best
+// of 5). Threads: --threads;
 // SIMD target: MOE_SIMD.
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -24,7 +26,7 @@
 #include "kernels/fma_peak.h"
 #include "kernels/mxfp4_gemm.h"
 #include "kernels/mxfp4_gemm_q8.h"
-#include "machine_peak.h"
+#include "kernels/read_bandwidth.h"
 
 using namespace moe;
 
@@ -90,9 +92,11 @@ struct Layer {
 
 int main(int argc, char** argv) {
   CLI::App app{"MXFP4 expert matmuls at decode (m = 1) against DRAM read bandwidth"};
-  int threads = available_cpus(), layers = 3, tokens = 40;
+  int threads = available_cpus(), layers = 0, tokens = 40;
   app.add_option("--threads", threads);
-  app.add_option("--layers", layers, "layers of experts cycled through (73.5 MB each)");
+  app.add_option("--layers", layers,
+                 "layers of experts cycled through (73.5 MB each; default: enough to hold three times "
+                 "the last-level cache, at least 3)");
   app.add_option("--tokens", tokens, "tokens timed per case");
   app.add_option("--experts", g_experts,
                  "experts per layer (64; e.g. --layers 1 --experts 6 keeps them cache-resident, "
@@ -103,11 +107,15 @@ int main(int argc, char** argv) {
                "plain 4 KiB pages instead of the engine's allocator (huge pages where offered)");
   CLI11_PARSE(app, argc, argv);
   set_num_threads(threads);
+  if (layers <= 0) {
+    const int64_t layer_bytes = g_experts * Expert::nbytes();
+    layers = static_cast<int>(std::max<int64_t>(3, (3 * last_level_cache_bytes() + layer_bytes - 1) / layer_bytes));
+  }
   Rng rng(1);
   std::vector<std::unique_ptr<Layer>> experts;
   for (int l = 0; l < layers; ++l) experts.push_back(std::make_unique<Layer>(g_experts, small_pages, rng));
   const int64_t per_expert = Expert::nbytes();
-  const double dram = bench::dram_read_gbs(threads);
+  const double dram = measure_dram_read_gbs(threads);
   fmt::print("{}, {} threads, {} ({}), {} layers x {} experts = {:.0f} MB packed ({}); DRAM read {:.1f} GB/s\n\n",
              simd::cpu_model(), threads, simd::name(simd::current()), simd::description(simd::current()), layers,
              g_experts, static_cast<double>(layers * g_experts * per_expert) / 1e6,
@@ -125,13 +133,19 @@ int main(int argc, char** argv) {
   for (const bool q8 : {false, true})
   for (const bool routed : {true, false}) {
     int8 = q8;
-    std::vector<int64_t> pick(kTopK);
+    std::vector<int64_t> pick(kTopK), order(static_cast<size_t>(g_experts));
+    for (int64_t e = 0; e < g_experts; ++e) order[static_cast<size_t>(e)] = e;
     int64_t bytes = 0;
     auto token = [&](int64_t t) {
       for (int l = 0; l < layers; ++l) {
         const auto& layer = experts[static_cast<size_t>((t + l) % layers)]->experts;
         if (routed) {
-          for (int64_t j = 0; j < kTopK; ++j) pick[j] = static_cast<int64_t>(rng.next_u64() % g_experts);
+          // Distinct experts, as top-k routing picks them (a repeat would be read from cache).
+          for (int64_t j = 0; j < kTopK; ++j) {
+            const int64_t r = j + static_cast<int64_t>(rng.next_u64() % static_cast<uint64_t>(g_experts - j));
+            std::swap(order[static_cast<size_t>(j)], order[static_cast<size_t>(r)]);
+            pick[j] = order[static_cast<size_t>(j)];
+          }
           parallel_for_dynamic(0, kTopK, [&](int64_t j) { expert_forward(layer[pick[j]], j); });
           bytes += kTopK * per_expert;
         } else {

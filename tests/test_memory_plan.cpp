@@ -44,7 +44,7 @@ const fs::path& work_dir() {
     // The runs' MFU needs the FMA peak, measured (~2 s per run) whenever a loaded machine keeps
     // it from being cached; memory does not depend on it.
     setenv("MOE_FMA_PEAK", "100", /*overwrite=*/0);
-    const fs::path d = fs::path(MOE_BINARY_DIR) / "test_memory_plan_tmp";
+    const fs::path d = fs::path(MOE_BINARY_DIR) / ("test_memory_plan_tmp" + forced_simd_suffix());
     fs::remove_all(d);
     fs::create_directories(d);
     std::ofstream pc(d / "pc.jsonl");

@@ -20,7 +20,8 @@ using namespace moe::testing;
 
 namespace {
 
-const std::filesystem::path kTmp = std::filesystem::path(MOE_BINARY_DIR) / "test_model_tmp";
+const std::filesystem::path kTmp =
+    std::filesystem::path(MOE_BINARY_DIR) / ("test_model_tmp" + forced_simd_suffix());
 
 ModelConfig debug_config() {
   ModelConfig c = resolve_model_config("debug");

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -109,11 +110,19 @@ inline double dot(const float* y, const float* r, int64_t n) {
   return s;
 }
 
-// A fresh, empty directory for the running test: <build>/<group>/<suite>.<test>.
+// ".avx2" when a SIMD target is forced, else "": ctest runs some binaries once per target, and
+// those runs may be concurrent (ctest -j), so each names its files apart.
+inline std::string forced_simd_suffix() {
+  const char* simd = std::getenv("MOE_SIMD");
+  return simd != nullptr && *simd != '\0' ? std::string(".") + simd : std::string();
+}
+
+// A fresh, empty directory for the running test: <build>/<group>/<suite>.<test>[.<target>].
 inline std::filesystem::path scratch_dir(const std::string& group) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   const std::filesystem::path dir = std::filesystem::path(MOE_BINARY_DIR) / group /
-                                    (std::string(info->test_suite_name()) + "." + info->name());
+                                    (std::string(info->test_suite_name()) + "." + info->name() +
+                                     forced_simd_suffix());
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
