@@ -8,18 +8,16 @@
 //   build/bench/bench_stream_overlap [--fmas 0,4,8,16] [--threads 2]
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <fmt/format.h>
-#include <thread>
 #include <vector>
 
 #include "core/block_cache.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "core/simd.h"
+#include "core/threads_together.h"
 #include "kernels/read_bandwidth.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -121,23 +119,12 @@ int main(int argc, char** argv) {
   for (const int f : fmas) {
     double best = 0;
     for (int pass = 0; pass < 3; ++pass) {
-      std::vector<double> secs(static_cast<size_t>(threads));
-      std::vector<float> sink(secs.size());
-      std::atomic<int> ready{0};
-      auto body = [&](int t) {
-        ready.fetch_add(1);
-        while (ready.load() < threads) {
-        }
+      std::vector<float> sink(static_cast<size_t>(threads));
+      const double slowest = slowest_seconds_together(threads, [&](int t) {
         const auto& o = order[static_cast<size_t>(t)];
-        const auto t0 = std::chrono::steady_clock::now();
-        sink[static_cast<size_t>(t)] = MOE_DISPATCH(StreamMatrices)(base, o.data(), static_cast<int64_t>(o.size()), rows, spread ? 1 : 0, f);
-        secs[static_cast<size_t>(t)] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      };
-      std::vector<std::thread> others;
-      for (int t = 1; t < threads; ++t) others.emplace_back(body, t);
-      body(0);
-      for (auto& th : others) th.join();
-      const double slowest = *std::max_element(secs.begin(), secs.end());
+        sink[static_cast<size_t>(t)] =
+            MOE_DISPATCH(StreamMatrices)(base, o.data(), static_cast<int64_t>(o.size()), rows, spread ? 1 : 0, f);
+      });
       best = std::max(best, static_cast<double>(matrices * matrix_bytes) / slowest / 1e9);
     }
     fmt::print("| {} | {:.1f} | {:.2f} |\n", f, best, best / dram);

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -16,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/simd.h"
+#include "core/threads_together.h"
 #include "io/atomic_file.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -77,30 +77,16 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 // One timed run: `threads` threads start the loop together (own threads, not the pool, so the
 // count is exact); total flops over the slowest thread's time.
 double run_once(int threads, int64_t iters) {
-  std::atomic<int> ready{0};
-  std::vector<double> flops(static_cast<size_t>(threads)), secs(flops.size());
+  std::vector<double> flops(static_cast<size_t>(threads));
   std::vector<float> sink(flops.size());
-  auto body = [&](int t) {
-    ready.fetch_add(1);
-    while (ready.load() < threads) {
-    }
-    const auto t0 = std::chrono::steady_clock::now();
+  const double slowest = slowest_seconds_together(threads, [&](int t) {
     flops[static_cast<size_t>(t)] = MOE_DISPATCH(FmaLoop)(iters, &sink[static_cast<size_t>(t)]);
-    secs[static_cast<size_t>(t)] = seconds_since(t0);
-  };
-  std::vector<std::thread> others;
-  for (int t = 1; t < threads; ++t) others.emplace_back(body, t);
-  body(0);
-  for (std::thread& th : others) th.join();
-  double total = 0, slowest = 0;
-  for (size_t t = 0; t < flops.size(); ++t) total += flops[t], slowest = std::max(slowest, secs[t]);
+  });
+  double total = 0;
+  for (const double f : flops) total += f;
   return slowest > 0 ? total / slowest / 1e9 : 0.0;
 }
 

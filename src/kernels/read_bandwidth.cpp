@@ -3,15 +3,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "core/block_cache.h"
 #include "core/simd.h"
+#include "core/threads_together.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/read_bandwidth.cpp"
@@ -89,27 +87,15 @@ double measure_dram_read_gbs(int threads) {
   const auto n = static_cast<int64_t>(part / sizeof(float));
   const ReadFn read = widest_reader();
   std::vector<float> sink(static_cast<size_t>(threads));
-  std::vector<double> secs(sink.size());
   double best = 0;
   for (int pass = 0; pass < 5; ++pass) {
-    std::atomic<int> ready{0};
-    auto body = [&](int t) {
-      ready.fetch_add(1);
-      while (ready.load() < threads) {
-      }
-      const auto t0 = std::chrono::steady_clock::now();
+    const double slowest = slowest_seconds_together(threads, [&](int t) {
       if (read) {
         read(floats + t * n, n, &sink[static_cast<size_t>(t)]);
       } else {
         MOE_DISPATCH(ReadStreams)(floats + t * n, n, &sink[static_cast<size_t>(t)]);
       }
-      secs[static_cast<size_t>(t)] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    };
-    std::vector<std::thread> others;
-    for (int t = 1; t < threads; ++t) others.emplace_back(body, t);
-    body(0);
-    for (std::thread& th : others) th.join();
-    const double slowest = *std::max_element(secs.begin(), secs.end());
+    });
     if (slowest > 0) best = std::max(best, static_cast<double>(part) * threads / slowest / 1e9);
   }
   free_block(block);
