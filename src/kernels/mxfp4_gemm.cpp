@@ -43,8 +43,8 @@
 //   bounded independently of the matrix — larger operands are walked chunk by chunk:
 //     nt: the split-order x panel, at most kMc × kKc floats (256 KiB), plus on the buffered
 //         path B decoded W rows of kKc floats (B = 6 on AVX-512: 24 KiB); the per-lane path
-//         (AVX2) holds 258 x rows (1 MiB), then two panels of 16 decoded W rows (this one and
-//         the next: 128 KiB) and the 16 lane results of a tile (6 KiB);
+//         (AVX2) holds 516 x rows (2 MiB), then two panels of 16 decoded W rows (this one and
+//         the next: 128 KiB) and a tile's partial lane sums, one per tree level (2 KiB);
 //     nn: on the buffered path a decoded W panel of kKr rows × 64 columns (64 KiB); the fused
 //         path needs none.
 
@@ -519,11 +519,12 @@ constexpr int64_t kLaneNr = 2 * kN;  // W rows per panel
 // than the buffered 3 × 3 tile loses (measured 1408 × 1024, one thread: 0.72x at 8 rows, 0.93x
 // at 24, 1.2x at 64 and 512). On AVX-512 the buffered 4 × 6 tile, whose 16-lane accumulators fit
 // its 32 registers, stayed ahead at every size (1.0-1.5x). Each W panel is decoded once per x
-// panel of kLaneMc rows. 256 rows (a 1 MiB x panel) measured 1.05x over 128 at 512 rows: fewer
-// decodes of each W panel, and the x panel is read as a sequential stream of broadcasts (4 bytes
-// per cycle), which the prefetchers keep up with from L3 where it exceeds L2 (Zen 3: 512 KiB).
+// panel of kLaneMc rows. 256 rows (a 1 MiB x panel) measured 1.05x over 128 at 512 rows, and 512
+// rows (2 MiB) 1.02x over 256 (Intel Xeon, 2 MiB L2): fewer decodes of each W panel, and the x
+// panel is read as a sequential stream of broadcasts (4 bytes per cycle), which the prefetchers
+// keep up with from L3 where it exceeds L2 (Zen 3: 512 KiB).
 constexpr int64_t kLanesFromRows = 32;
-constexpr int64_t kLaneMc = 256;
+constexpr int64_t kLaneMc = 512;
 
 // x rows [0, mi) of a chunk into tiles of kLaneMr rows (zeros past mi); tile t's lane l starts
 // at out + t·kLaneMr·cc + l·kl·kLaneMr, element k' of its rows at + k'·kLaneMr.
@@ -580,9 +581,15 @@ HWY_INLINE void decode_lane_piece(const uint8_t* const* wp, const uint8_t* const
   }
 }
 
-// One lane's GEMM for a tile: t[a·kLaneNr + r] = chain over k' of x_l[a][k']·W_l[k'][r].
+// One lane's GEMM for a tile: chain over k' of x_l[a][k']·W_l[k'][r] for the kLaneMr × kLaneNr
+// outputs, from +0. Lanes run in order 0..15 and each result joins the adjacent-pair tree as
+// soon as its partner subtree exists: pending[level] holds the left operand waiting at each
+// level (lane 2j at level 0, lanes 4j..4j+1 at level 1, ...), and lane l adds into it once per
+// trailing one bit of l. So the tree's additions happen in the tree's order and operands, with
+// no pass over 16 stored lane results; after lane 15 the tile's sums are in `sums`.
+constexpr int64_t kLaneTile = kLaneMr * kLaneNr;
 HWY_INLINE void lane_tile(const float* HWY_RESTRICT xl, const float* HWY_RESTRICT wl, int64_t kl,
-                          float* HWY_RESTRICT t) {
+                          int64_t l, float* HWY_RESTRICT pending, float* HWY_RESTRICT sums) {
   const D d;
   V acc[kLaneMr][2];
 #pragma GCC unroll 8
@@ -596,6 +603,16 @@ HWY_INLINE void lane_tile(const float* HWY_RESTRICT xl, const float* HWY_RESTRIC
       acc[a][1] = ExactMulAdd(xa, w1, acc[a][1]);
     }
   }
+  int64_t level = 0;
+  for (int64_t i = l; i & 1; i >>= 1, ++level) {
+    const float* left = pending + level * kLaneTile;
+#pragma GCC unroll 8
+    for (int a = 0; a < kLaneMr; ++a) {
+      acc[a][0] = hn::Add(hn::Load(d, left + a * kLaneNr), acc[a][0]);
+      acc[a][1] = hn::Add(hn::Load(d, left + a * kLaneNr + kN), acc[a][1]);
+    }
+  }
+  float* t = l == 15 ? sums : pending + level * kLaneTile;
 #pragma GCC unroll 8
   for (int a = 0; a < kLaneMr; ++a) {
     hn::Store(acc[a][0], d, t + a * kLaneNr);
@@ -618,9 +635,11 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
                   int64_t ldy, bool accumulate) {
   const D d;
   float* xpanel = kernel_scratch(0, round_up(kLaneMc, kLaneMr) * kKc);
-  // Slot 1: two decoded W panels (this one and the next), then the 16 lane results of a tile.
-  float* wpanels = kernel_scratch(1, 2 * kLaneNr * kKc + 16 * kLaneMr * kLaneNr);
-  float* lanes = wpanels + 2 * kLaneNr * kKc;
+  // Slot 1: two decoded W panels (this one and the next), then a tile's partial lane sums, one
+  // per tree level, and its sums.
+  float* wpanels = kernel_scratch(1, 2 * kLaneNr * kKc + 5 * kLaneTile);
+  float* pending = wpanels + 2 * kLaneNr * kKc;
+  float* sums = pending + 4 * kLaneTile;
   for (int64_t c0 = 0; c0 < w.cols; c0 += kKc) {
     const int64_t cc = std::min(kKc, w.cols - c0), kl = cc / 16;
     const int64_t pieces = cc / kBlock * kPiecesPerBlock;
@@ -647,8 +666,7 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
         for (int64_t a0 = 0; a0 < mi; a0 += kLaneMr) {
           const float* xt = xpanel + a0 * cc;
           for (int64_t l = 0; l < 16; ++l) {
-            lane_tile(xt + l * kl * kLaneMr, wpanel + l * kl * kLaneNr, kl,
-                      lanes + l * kLaneMr * kLaneNr);
+            lane_tile(xt + l * kl * kLaneMr, wpanel + l * kl * kLaneNr, kl, l, pending, sums);
             if (more)
               for (const int64_t until = ++step * pieces / steps; decoded < until; ++decoded)
                 decode_lane_piece<N>(wp, ws, cc, decoded, next);
@@ -656,24 +674,15 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
           const int64_t na = std::min<int64_t>(kLaneMr, mi - a0);
           for (int64_t a = 0; a < na; ++a)
             for (int64_t v = 0; v < 2; ++v) {
-              // The adjacent-pair tree over the 16 lanes, kN outputs at a time.
-              V t[16];
-#pragma GCC unroll 16
-              for (int l = 0; l < 16; ++l)
-                t[l] = hn::Load(d, lanes + (l * kLaneMr + a) * kLaneNr + v * kN);
-#pragma GCC unroll 4
-              for (int width = 16; width > 1; width /= 2)
-#pragma GCC unroll 8
-                for (int j = 0; j < width / 2; ++j) t[j] = hn::Add(t[2 * j], t[2 * j + 1]);
+              const float* sum = sums + a * kLaneNr + v * kN;
               float* dst = y + (i0 + a0 + a) * ldy + r0 + v * kN;
               const int64_t live = std::min<int64_t>(kN, nb - v * kN);
               if (live <= 0) continue;
               if (live == kN) {
-                hn::StoreU(first ? t[0] : hn::Add(hn::LoadU(d, dst), t[0]), d, dst);
+                const V t = hn::Load(d, sum);
+                hn::StoreU(first ? t : hn::Add(hn::LoadU(d, dst), t), d, dst);
               } else {
-                alignas(64) float sums[kN];
-                hn::Store(t[0], d, sums);
-                for (int64_t j = 0; j < live; ++j) dst[j] = first ? sums[j] : dst[j] + sums[j];
+                for (int64_t j = 0; j < live; ++j) dst[j] = first ? sum[j] : dst[j] + sum[j];
               }
             }
         }

@@ -559,11 +559,11 @@ void Workspace::mxfp4_nt(int64_t m) {
   // (a 3-row item on AVX-512, every buffered tile on AVX2) gives 66 rows.
   const int64_t A = lanes_ == 16 ? 3 : lanes_ == 8 ? 3 : 1;
   any0_ = std::max(any0_, round_up(64, A) * 1024);
-  // AVX2 from 32 rows on: the per-lane GEMMs, an x panel of round_up(256, 6) rows, then two
-  // panels of 2·lanes decoded W rows and the 16 lane results of a 6-row tile.
+  // AVX2 from 32 rows on: the per-lane GEMMs, an x panel of round_up(512, 6) rows, then two
+  // panels of 2·lanes decoded W rows and 5 partial sums of a 6-row tile (4 tree levels + sums).
   if (lanes_ == 8 && m >= 32) {
-    any0_ = std::max(any0_, round_up(256, 6) * 1024);
-    any1_ = std::max<int64_t>(any1_, 2 * 2 * lanes_ * 1024 + 16 * 6 * 2 * lanes_);
+    any0_ = std::max(any0_, round_up(512, 6) * 1024);
+    any1_ = std::max<int64_t>(any1_, 2 * 2 * lanes_ * 1024 + 5 * 6 * 2 * lanes_);
     return;
   }
   const bool buffered = lanes_ == 16 ? m > 8 : lanes_ == 8 ? m > 2 : true;
