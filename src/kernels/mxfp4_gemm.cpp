@@ -588,6 +588,7 @@ HWY_INLINE void decode_lane_piece(const uint8_t* const* wp, const uint8_t* const
 // trailing one bit of l. So the tree's additions happen in the tree's order and operands, with
 // no pass over 16 stored lane results; after lane 15 the tile's sums are in `sums`.
 constexpr int64_t kLaneTile = kLaneMr * kLaneNr;
+constexpr int64_t kTreeLevels = 4;  // of the 16-lane tree
 HWY_INLINE void lane_tile(const float* HWY_RESTRICT xl, const float* HWY_RESTRICT wl, int64_t kl,
                           int64_t l, float* HWY_RESTRICT pending, float* HWY_RESTRICT sums) {
   const D d;
@@ -612,7 +613,7 @@ HWY_INLINE void lane_tile(const float* HWY_RESTRICT xl, const float* HWY_RESTRIC
       acc[a][1] = hn::Add(hn::Load(d, left + a * kLaneNr + kN), acc[a][1]);
     }
   }
-  float* t = l == 15 ? sums : pending + level * kLaneTile;
+  float* t = level == kTreeLevels ? sums : pending + level * kLaneTile;
 #pragma GCC unroll 8
   for (int a = 0; a < kLaneMr; ++a) {
     hn::Store(acc[a][0], d, t + a * kLaneNr);
@@ -637,9 +638,9 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
   float* xpanel = kernel_scratch(0, round_up(kLaneMc, kLaneMr) * kKc);
   // Slot 1: two decoded W panels (this one and the next), then a tile's partial lane sums, one
   // per tree level, and its sums.
-  float* wpanels = kernel_scratch(1, 2 * kLaneNr * kKc + 5 * kLaneTile);
+  float* wpanels = kernel_scratch(1, 2 * kLaneNr * kKc + (kTreeLevels + 1) * kLaneTile);
   float* pending = wpanels + 2 * kLaneNr * kKc;
-  float* sums = pending + 4 * kLaneTile;
+  float* sums = pending + kTreeLevels * kLaneTile;
   for (int64_t c0 = 0; c0 < w.cols; c0 += kKc) {
     const int64_t cc = std::min(kKc, w.cols - c0), kl = cc / 16;
     const int64_t pieces = cc / kBlock * kPiecesPerBlock;
