@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -179,22 +180,115 @@ TEST(TiktokenFixture, InvalidUtf8RoundTripsAndErrorsNameTheFile) {
   EXPECT_THROW(TiktokenTokenizer::from_text("IQ== 0\n", "few.model"), std::exception);  // bytes without ranks
 }
 
-// Found by tests/fuzz/fuzz_tiktoken: a special token whose id lies in a gap of the ranks (allowed:
-// it clashes with no rank) decoded to nothing, so decode(encode(text)) lost it.
-TEST(TiktokenFixture, ASpecialIdInAGapOfTheRanksDecodesToItsText) {
+// A tiktoken.model giving each single byte its own value as rank.
+std::string single_byte_ranks() {
   std::string ranks;
   for (int b = 0; b < 256; ++b) {
-    const std::string byte(1, static_cast<char>(b));
     static const char* const kDigits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     const auto u = static_cast<unsigned char>(b);
     ranks += std::string{kDigits[u >> 2], kDigits[(u & 3) << 4], '=', '='} + " " + std::to_string(b) + "\n";
   }
+  return ranks;
+}
+
+// Found by tests/fuzz/fuzz_tiktoken: a special token whose id lies in a gap of the ranks (allowed:
+// it clashes with no rank) decoded to nothing, so decode(encode(text)) lost it.
+TEST(TiktokenFixture, ASpecialIdInAGapOfTheRanksDecodesToItsText) {
+  std::string ranks = single_byte_ranks();
   ranks += "YWI= 300\n";  // "ab" at 300: ids 256..299 are a gap
   const auto tok = TiktokenTokenizer::from_text(
       ranks, "gap.model", R"({"added_tokens_decoder": {"260": {"content": "[BOS]", "special": true}}})");
   const std::vector<int32_t> ids = tok.encode("[BOS]ab");
   EXPECT_EQ(ids, (std::vector<int32_t>{260, 300}));
   EXPECT_EQ(tok.decode(ids), "[BOS]ab");
+}
+
+// tiktoken's byte_pair_merge as OpenAI wrote it (O(n^2)): the reference for our heap-based merge.
+std::vector<int32_t> quadratic_byte_pair_merge(const TiktokenTokenizer& tok, const std::string& piece) {
+  auto rank = [&](size_t a, size_t b) {
+    const std::string bytes = piece.substr(a, b - a);
+    const int32_t id = tok.token_to_id(bytes);
+    return id >= 0 && !tok.is_special(id) ? id : INT32_MAX;
+  };
+  if (rank(0, piece.size()) != INT32_MAX) return {rank(0, piece.size())};
+  std::vector<std::pair<size_t, int32_t>> parts;  // (start, rank of this part joined with the next)
+  for (size_t i = 0; i + 1 < piece.size(); ++i) parts.emplace_back(i, rank(i, i + 2));
+  parts.emplace_back(piece.size() - 1, INT32_MAX);
+  parts.emplace_back(piece.size(), INT32_MAX);
+  for (;;) {
+    size_t best = 0;
+    for (size_t i = 1; i + 1 < parts.size(); ++i)
+      if (parts[i].second < parts[best].second) best = i;
+    if (parts[best].second == INT32_MAX) break;
+    auto joined = [&](size_t i) { return i + 3 < parts.size() ? rank(parts[i].first, parts[i + 3].first) : INT32_MAX; };
+    if (best > 0) parts[best - 1].second = joined(best - 1);
+    parts[best].second = joined(best);
+    parts.erase(parts.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  }
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) ids.push_back(rank(parts[i].first, parts[i + 1].first));
+  return ids;
+}
+
+// Random texts over an alphabet that makes long pieces with repeated pairs (equal ranks at
+// several places: the leftmost must merge first), Han, accents and punctuation runs.
+TEST(TiktokenFixture, HeapMergeEqualsTiktokensQuadraticMergeOnRandomTexts) {
+  const auto tok = TiktokenTokenizer::load(kSmall);
+  const std::vector<std::string> alphabet = {"a", "a", "b", "an", "the", "in", "e", "s", " ", "\n", "\xe4\xb8\xad",
+                                             "\xc3\xa9", "!", "=", "0", "1", "T", "ing", "ation"};
+  std::mt19937 rng(7);
+  int64_t pieces = 0, longest = 0;
+  for (int t = 0; t < 400; ++t) {
+    std::string text;
+    const int len = 1 + static_cast<int>(rng() % (t < 390 ? 60 : 2000));
+    for (int i = 0; i < len; ++i) text += alphabet[rng() % alphabet.size()];
+    if (t % 50 == 0) text += std::string(1500, 'a');
+    std::vector<int32_t> want;
+    for (const std::string& piece : tok.pieces(text)) {
+      const std::vector<int32_t> ids = quadratic_byte_pair_merge(tok, piece);
+      want.insert(want.end(), ids.begin(), ids.end());
+      ++pieces;
+      longest = std::max<int64_t>(longest, static_cast<int64_t>(piece.size()));
+    }
+    ASSERT_EQ(tok.encode(text), want) << shown(text);
+  }
+  EXPECT_GT(pieces, 4000);
+  EXPECT_GE(longest, 1500);
+}
+
+// A megabyte of letters is one regex piece: tiktoken's own O(n^2) merge would take hours for
+// its half a million merges (a hostile request to `moe serve`), ours a fraction of a second.
+TEST(TiktokenFixture, AMegabyteOfLettersIsOnePieceEncodedInNLogNTime) {
+  const auto tok = TiktokenTokenizer::load(kSmall);
+  std::string text;
+  for (int i = 0; i < (1 << 19); ++i) text += "in";
+  ASSERT_EQ(tok.pieces(text).size(), 1u);
+  const std::vector<int32_t> ids = tok.encode(text);
+  EXPECT_LE(ids.size(), text.size() / 2);
+  EXPECT_EQ(tok.decode(ids), text);
+}
+
+// Special tokens match leftmost first, then longest there, wherever they overlap.
+TEST(TiktokenFixture, SpecialTokensMatchLeftmostThenLongest) {
+  const auto tok = TiktokenTokenizer::from_text(single_byte_ranks(), "specials.model", R"({"added_tokens_decoder": {
+      "300": {"content": "<|x|>"}, "301": {"content": "<|x|>y"}, "302": {"content": "x|>"},
+      "303": {"content": "y<"}}})");
+  auto ids_of = [](const std::string& s) {
+    std::vector<int32_t> ids;
+    for (char c : s) ids.push_back(static_cast<unsigned char>(c));
+    return ids;
+  };
+  EXPECT_EQ(tok.encode("<|x|>"), (std::vector<int32_t>{300}));
+  EXPECT_EQ(tok.encode("<|x|>y"), (std::vector<int32_t>{301}));
+  EXPECT_EQ(tok.encode("<|x|>z"), (std::vector<int32_t>{300, 'z'}));
+  EXPECT_EQ(tok.encode("|x|>"), (std::vector<int32_t>{'|', 302}));
+  EXPECT_EQ(tok.encode("zy<|x|>"), (std::vector<int32_t>{'z', 303, '|', 302}));
+  std::vector<int32_t> want = ids_of("<|x");
+  want.push_back(300);
+  EXPECT_EQ(tok.encode("<|x<|x|>"), want);
+  // Reserved slots: 256 more specials of several lengths.
+  EXPECT_EQ(tok.vocab_size(), 256 + 256);
+  EXPECT_EQ(tok.encode("a<|reserved_token_256|><|reserved_token_299|>b").size(), 4u);
 }
 
 // The rank table is sized by the largest rank: one line with rank 2^30 - 2 asked for 32 GiB.

@@ -4,6 +4,7 @@
 #include <array>
 #include <fmt/format.h>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -182,7 +183,10 @@ struct TiktokenTokenizer::Impl {
   int64_t n_ranks = 0;                // largest rank + 1
   std::map<int32_t, std::string> special_by_id;
   StringMap<int32_t> special_by_text;
-  std::vector<std::string> specials_longest_first;  // for matching
+  // Special-token matching without a scan per token: the bytes a special may start with, and the
+  // distinct special lengths, longest first (a match is a hash lookup per length).
+  std::array<bool, 256> special_first_byte{};
+  std::vector<size_t> special_lengths;
   int32_t bos = -1, eos = -1, pad = -1;
   bool add_bos = false;
 
@@ -206,51 +210,59 @@ struct TiktokenTokenizer::Impl {
     return it == ranks.end() ? -1 : it->second;
   }
 
-  // tiktoken's byte_pair_merge: parts[i] = (start, rank of bytes [start, parts[i+2].start)).
+  // tiktoken's byte_pair_merge: merge the adjacent pair of parts whose joined bytes have the
+  // lowest rank (the leftmost of equals) until no pair has a rank. A heap of candidate pairs and a
+  // linked list of parts make it O(n log n) instead of tiktoken's O(n^2): a piece may be a
+  // megabyte of one letter in a hostile request. Candidates made stale by a merge are skipped
+  // when popped, so the merges and their order are tiktoken's.
   void byte_pair_encode(std::string_view piece, std::vector<int32_t>& out) const {
     if (const int32_t r = rank(piece); r >= 0) {
       out.push_back(r);
       return;
     }
-    constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
+    // Part i starts at byte i (a merge removes the right part, never moves a start) and ends where
+    // the next live part starts; `rank` is that of part i joined with the next, -1 for none.
     struct Part {
-      size_t start;
+      uint32_t next, prev;
       int32_t rank;
     };
-    std::vector<Part> parts;
-    parts.reserve(piece.size() + 1);
-    for (size_t i = 0; i + 1 < piece.size(); ++i) {
-      const int32_t r = rank(piece.substr(i, 2));
-      parts.push_back({i, r < 0 ? kNone : r});
-    }
-    parts.push_back({piece.size() - 1, kNone});
-    parts.push_back({piece.size(), kNone});
-    auto pair_rank = [&](size_t i) {  // rank of parts[i] .. parts[i+3].start, once i+1 is merged away
-      if (i + 3 < parts.size()) {
-        const int32_t r = rank(piece.substr(parts[i].start, parts[i + 3].start - parts[i].start));
-        return r < 0 ? kNone : r;
-      }
-      return kNone;
+    MOE_CHECK(piece.size() < std::numeric_limits<uint32_t>::max(), "tiktoken: a {}-byte piece (the limit is 4 GiB)",
+              piece.size());
+    const auto n = static_cast<uint32_t>(piece.size());
+    std::vector<Part> parts(n + 1);
+    for (uint32_t i = 0; i <= n; ++i) parts[i] = {i + 1, i - 1, -1};
+    struct Candidate {
+      int32_t rank;
+      uint32_t part;
+      bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : part > o.part; }
     };
-    for (;;) {
-      if (parts.size() == 1) break;
-      int32_t min_rank = kNone;
-      size_t min_i = 0;
-      for (size_t i = 0; i + 1 < parts.size(); ++i)
-        if (parts[i].rank < min_rank) {  // strict: the leftmost of equal ranks
-          min_rank = parts[i].rank;
-          min_i = i;
-        }
-      if (min_rank == kNone) break;
-      const size_t i = min_i;
-      if (i > 0) parts[i - 1].rank = pair_rank(i - 1);
-      parts[i].rank = pair_rank(i);
-      parts.erase(parts.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+    std::vector<Candidate> heap;
+    heap.reserve(n);
+    auto rerank = [&](uint32_t i) {
+      Part& p = parts[i];
+      p.rank = p.next < n ? rank(piece.substr(i, parts[p.next].next - i)) : -1;
+      if (p.rank >= 0) {
+        heap.push_back({p.rank, i});
+        std::push_heap(heap.begin(), heap.end(), std::greater<>());
+      }
+    };
+    for (uint32_t i = 0; i < n; ++i) rerank(i);
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+      const Candidate c = heap.back();
+      heap.pop_back();
+      Part& p = parts[c.part];
+      if (p.next == 0 || p.rank != c.rank) continue;  // merged away, or re-ranked since
+      const uint32_t gone = p.next;
+      p.next = parts[gone].next;
+      parts[p.next].prev = c.part;
+      parts[gone].next = 0;
+      rerank(c.part);
+      if (c.part > 0) rerank(p.prev);
     }
-    for (size_t i = 0; i + 1 < parts.size(); ++i) {
-      const int32_t r = rank(piece.substr(parts[i].start, parts[i + 1].start - parts[i].start));
-      MOE_CHECK(r >= 0, "tiktoken: no rank for a {}-byte part (the vocabulary lacks a single byte)",
-                parts[i + 1].start - parts[i].start);
+    for (uint32_t i = 0; i < n; i = parts[i].next) {
+      const int32_t r = rank(piece.substr(i, parts[i].next - i));
+      MOE_CHECK(r >= 0, "tiktoken: no rank for a {}-byte part (the vocabulary lacks a single byte)", parts[i].next - i);
       out.push_back(r);
     }
   }
@@ -293,19 +305,18 @@ struct TiktokenTokenizer::Impl {
 
   // The next special token at or after `from`: leftmost, the longest there.
   bool next_special(std::string_view text, size_t from, size_t& at, int32_t& id) const {
-    size_t best = std::string_view::npos;
-    size_t best_len = 0;
-    for (const std::string& t : specials_longest_first) {
-      const size_t p = text.find(t, from);
-      if (p == std::string_view::npos) continue;
-      if (p < best || (p == best && t.size() > best_len)) {
-        best = p;
-        best_len = t.size();
-        id = special_by_text.find(t)->second;
+    for (size_t p = from; p < text.size(); ++p) {
+      if (!special_first_byte[static_cast<unsigned char>(text[p])]) continue;
+      for (size_t len : special_lengths) {
+        if (len > text.size() - p) continue;
+        const auto it = special_by_text.find(text.substr(p, len));
+        if (it == special_by_text.end()) continue;
+        at = p;
+        id = it->second;
+        return true;
       }
     }
-    at = best;
-    return best != std::string_view::npos;
+    return false;
   }
 
   template <typename F>
@@ -314,7 +325,7 @@ struct TiktokenTokenizer::Impl {
     while (pos <= text.size()) {
       size_t at = 0;
       int32_t id = -1;
-      const bool found = !specials_longest_first.empty() && next_special(text, pos, at, id);
+      const bool found = !special_lengths.empty() && next_special(text, pos, at, id);
       const size_t end = found ? at : text.size();
       for_each_piece(text.substr(pos, end - pos), [&](std::string_view p) { f(p, -1); });
       if (!found) break;
@@ -442,9 +453,13 @@ TiktokenTokenizer TiktokenTokenizer::from_text(const std::string& ranks_text, co
       impl->add_bos = cfg.at("add_bos_token").get<bool>() && impl->bos >= 0;
     }
   }
-  for (const auto& [text, id] : impl->special_by_text) impl->specials_longest_first.push_back(text);
-  std::sort(impl->specials_longest_first.begin(), impl->specials_longest_first.end(),
-            [](const std::string& a, const std::string& b) { return a.size() != b.size() ? a.size() > b.size() : a < b; });
+  for (const auto& [text, id] : impl->special_by_text) {
+    impl->special_first_byte[static_cast<unsigned char>(text[0])] = true;
+    impl->special_lengths.push_back(text.size());
+  }
+  std::sort(impl->special_lengths.begin(), impl->special_lengths.end(), std::greater<>());
+  impl->special_lengths.erase(std::unique(impl->special_lengths.begin(), impl->special_lengths.end()),
+                              impl->special_lengths.end());
   return TiktokenTokenizer(std::move(impl));
 }
 
