@@ -61,7 +61,19 @@ constexpr int64_t kSpanScales = 4;    // blocks per span
 constexpr int64_t kLanes = 16;
 constexpr int32_t kOffset = 12;
 constexpr int64_t kRowsPerPanel = 64;  // x rows quantized at a time (bounded scratch)
-constexpr int64_t kAhead = 8;          // W rows prefetched ahead of the tile, over its B streams
+
+// W rows prefetched ahead of the tile, over its B streams. The best distance differs by core
+// (the Xeon's figures are at the tiles below): a Zen 5 EPYC streamed 49-54 GB/s packed with 4
+// rows per stream against 45-48 with 2, in alternating runs of bench_mxfp4_decode while its DRAM
+// read 75-83 GB/s (39-41 against 37-39 while it read 46-50). Prefetching never changes a bit.
+int64_t rows_ahead() {
+#ifdef MOE_Q8_X86
+  static const int64_t rows = __builtin_cpu_is("amd") ? 16 : 8;
+  return rows;
+#else
+  return 8;
+#endif
+}
 
 // 2·E2M1 + kOffset per code (codes 8..15 negative; 8 is -0).
 alignas(16) constexpr int8_t kWeightTable[16] = {12, 13, 14, 15, 16, 18, 20, 24,
@@ -221,7 +233,7 @@ void quantize_row(const float* x, int64_t cols, int64_t spans, QSpan* out, bool 
 struct RowSpans {
   const uint8_t* packed;
   const uint8_t* scales;
-  const uint8_t* ahead;  // the packed row kAhead rows further on (or the last row), prefetched
+  const uint8_t* ahead;  // the packed row rows_ahead() rows further on (or the last row), prefetched
   int64_t full;          // whole spans
   int64_t rest;          // columns of the short last span, 0 if none
 
@@ -312,7 +324,7 @@ MOE_Q8_AVX512_BASE inline void tree16_x4(const __m512* v, float* out) {
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,avx2,fma")))
 
 // The tiles read a W row's whole spans in place and its padded last span (if any) after them;
-// every span prefetches one cache line, into L2, of the row kAhead / B rows on in the same row
+// every span prefetches one cache line, into L2, of the row rows_ahead() / B rows on in the same row
 // stream (run() spreads a tile's rows over B streams). With adjacent rows and one stream, the
 // hardware prefetchers alone left a Zen 4 core streaming about 9 GB/s while the decode loop ran,
 // and 64 rows ahead into L2 gave 13-15 GB/s. With B = 4 streams on an Emerald Rapids Xeon, 2
@@ -500,18 +512,19 @@ void run(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
   if (m % A != 0) quantize_row(nullptr, 0, spans, zero_row, vector);  // stands in for rows past m
   RowSpans rows[B];
   float out[A * B];
+  const int64_t ahead = rows_ahead() / B;
   for (int64_t i0 = 0; i0 < m; i0 += kRowsPerPanel) {
     const int64_t mi = std::min(kRowsPerPanel, m - i0);
     for (int64_t i = 0; i < mi; ++i) quantize_row(x + (i0 + i) * ldx, w.cols, spans, panel + i * spans, vector);
     // Row b of tile t is row b·Q + t: B streams a B-th of the matrix apart, each followed by
     // its own hardware prefetcher (the reason is at mxfp4_gemm.cpp's TileRows), each
-    // prefetching kAhead / B rows ahead in itself.
+    // prefetching rows_ahead() / B rows ahead in itself.
     const int64_t tiles = (w.rows + B - 1) / B;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t nb = std::min<int64_t>(B, (w.rows - t + tiles - 1) / tiles);
       for (int64_t b = 0; b < B; ++b) {
         const int64_t r = std::min<int64_t>(b, nb - 1) * tiles + t;  // repeats the last real row
-        const int64_t rn = std::min({r + kAhead / B, (b + 1) * tiles - 1, w.rows - 1});
+        const int64_t rn = std::min({r + ahead, (b + 1) * tiles - 1, w.rows - 1});
         rows[b].set(w.packed + r * w.packed_stride, w.scales + r * w.scale_stride, w.cols,
                     w.packed + rn * w.packed_stride);
 #ifdef MOE_Q8_X86
