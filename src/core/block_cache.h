@@ -1,6 +1,6 @@
 #pragma once
-// Host memory for tensor storage. Blocks below 32 MiB come from malloc, whose heap already
-// recycles them; larger ones are kept in a cache when freed and handed out again for the next
+// Host memory for tensor storage. Blocks below 32 MiB come from malloc, whose heap recycles
+// them once glibc is told to keep what is freed (see block_cache.cpp); larger ones are kept in a cache when freed and handed out again for the next
 // request of a similar size, the way PyTorch's caching allocator works. Why: glibc serves
 // blocks of 32 MiB and more with a fresh mmap every time, so a 100 MB buffer allocated each step
 // is page-faulted and zeroed by the kernel each step (measured: 55% of the expert-parallel
