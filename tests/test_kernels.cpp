@@ -89,6 +89,28 @@ TEST(VectorMath, ExpIsAccurateAndHandlesTheEdges) {
   EXPECT_NEAR(exp1(-100.0f), 3.720076e-44f, 1.5e-45f);
 }
 
+TEST(VectorMath, SumOfSquaresIsTheSixteenLaneSum) {
+  Rng rng(9);
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{100003}}) {
+    Tensor x = random_tensor({std::max<int64_t>(n, 1)}, rng, 3.0f);
+    double lanes[16] = {};
+    long double exact = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double sq = static_cast<double>(x.f32()[i]) * x.f32()[i];
+      lanes[i % 16] += sq;
+      exact += sq;
+    }
+    for (int w = 8; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+    const double got = sum_of_squares(x.f32(), n);
+    EXPECT_EQ(got, lanes[0]) << "n = " << n;
+    EXPECT_LE(std::fabs(got - static_cast<double>(exact)), 1e-14 * static_cast<double>(exact)) << "n = " << n;
+  }
+  const float big[2] = {3e38f, -3e38f};  // each square exceeds fp32 but not double
+  const double f = big[0];
+  EXPECT_EQ(sum_of_squares(big, 2), 2.0 * f * f);
+}
+
 TEST(VectorMath, NaNInARowReachesTheSum) {
   // A non-finite step must be seen as such, not turned into a finite loss.
   std::vector<float> row = {1.0f, NAN, 2.0f};
@@ -122,6 +144,10 @@ TEST(VectorMath, EveryKernelGivesTheSameBitsOnEveryTarget) {
       std::vector<float> w(x.f32(), x.f32() + len), m(len, 0.1f), vv(len, 0.2f);
       adamw_row(w.data(), u.f32(), m.data(), vv.data(), len, {0.5f, 0.999f, 0.9f, 0.95f, 0.1f, 0.05f, 1e-3f, 0.7f, 1e-8f});
       for (auto* v : {&w, &m, &vv}) out.insert(out.end(), v->begin(), v->end());
+      const double sq = sum_of_squares(x.f32(), len);
+      float halves[2];
+      std::memcpy(halves, &sq, sizeof sq);
+      out.insert(out.end(), halves, halves + 2);
     }
     return out;
   };

@@ -214,6 +214,30 @@ void RmsnormBackwardRow(const float* x, const float* w, float rs, const float* d
   });
 }
 
+// Σ x² in double, in 16 virtual lanes as sum16 (each square is exact in double; the lanes'
+// sums round).
+double SumOfSquaresRow(const float* x, int64_t n) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  constexpr int64_t kLanes = static_cast<int64_t>(hn::MaxLanes(hn::ScalableTag<double>()));
+  static_assert(16 % kLanes == 0, "16 virtual lanes must be whole vectors");
+  constexpr int64_t kParts = 16 / kLanes;
+  hn::Vec<decltype(dd)> acc[kParts];
+  for (int64_t q = 0; q < kParts; ++q) acc[q] = hn::Zero(dd);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int64_t q = 0; q < kParts; ++q) {
+      const auto v = hn::PromoteTo(dd, hn::LoadU(df, x + i + q * kLanes));
+      acc[q] = hn::Add(acc[q], hn::Mul(v, v));
+    }
+  alignas(64) double lanes[16];
+  for (int64_t q = 0; q < kParts; ++q) hn::Store(acc[q], dd, lanes + q * kLanes);
+  for (int64_t j = i; j < n; ++j) lanes[j - i] += static_cast<double>(x[j]) * x[j];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  return lanes[0];
+}
+
 void AdamWRow(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
   const D d;
   const V scale = hn::Set(d, p.grad_scale), decay = hn::Set(d, p.decay);
@@ -248,6 +272,7 @@ HWY_EXPORT(SwigluBackwardRow);
 HWY_EXPORT(ClampedSwigluRow);
 HWY_EXPORT(ClampedSwigluBackwardRow);
 HWY_EXPORT(AdamWRow);
+HWY_EXPORT(SumOfSquaresRow);
 HWY_EXPORT(RmsnormRow);
 HWY_EXPORT(RmsnormBackwardRow);
 
@@ -262,6 +287,8 @@ void rmsnorm_backward_row(const float* x, const float* w, float rstd, const floa
 void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
   MOE_DISPATCH(AdamWRow)(w, g, m, v, n, p);
 }
+
+double sum_of_squares(const float* x, int64_t n) { return MOE_DISPATCH(SumOfSquaresRow)(x, n); }
 
 float row_max(const float* x, int64_t n) { return MOE_DISPATCH(RowMax)(x, n); }
 double exp_shift_sum(float* x, int64_t n, float shift) {

@@ -41,6 +41,10 @@ struct AdamWRowParams {
 };
 void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p);
 
+// Σ x[i]² in double: lane l of 16 adds x[l]², x[l + 16]², ... in order, then the lanes meet in a
+// fixed tree, so the bits are the same on every target.
+double sum_of_squares(const float* x, int64_t n);
+
 // Numerically stable softmax of a row in place; returns log-sum-exp of the input.
 double softmax_inplace(float* x, int64_t n);
 // log(sum(exp(x))) without modifying x (uses `scratch` of n floats).
