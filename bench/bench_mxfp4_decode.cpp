@@ -10,7 +10,7 @@
 //    this is below the DRAM read, the kernel's instructions are the limit, not memory.
 // The figure is packed bytes read per second (weights + scales) and its fraction of DRAM read
 // bandwidth (a plain streaming read of 1 GiB, or 4 times the last-level cache, on all threads, best
-// of 5). Threads: --threads;
+// of 5, measured once for the header and again next to each case). Threads: --threads;
 // SIMD target: MOE_SIMD.
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -132,7 +132,11 @@ int main(int argc, char** argv) {
     nt(1, x.data(), kDim, ex.gate_up.view(), hs, 2 * kWidth, false);
     nt(1, hs, kWidth, ex.down.view(), y.data() + slot * kDim, kDim, false);
   };
-  fmt::print("| activations | case | packed GB/s | of DRAM read | tokens/s |\n|---|---|---|---|---|\n");
+  // The DRAM read is measured again next to each case: on a shared VM it can change by 1.5x
+  // from one second to the next (a Zen 5 guest read 46-50 GB/s, then 75-83), and a fraction
+  // against a figure from another moment says nothing.
+  fmt::print("| activations | case | packed GB/s | DRAM read next to it, GB/s | of DRAM read | tokens/s |\n"
+             "|---|---|---|---|---|---|\n");
   for (const bool q8 : {false, true})
   for (const bool routed : {true, false}) {
     int8 = q8;
@@ -158,14 +162,16 @@ int main(int argc, char** argv) {
       }
     };
     token(0);  // warm-up
+    const double dram_here = measure_dram_read_gbs(threads);
     bytes = 0;
     const int n = routed ? tokens * 10 : tokens;
     const auto t0 = std::chrono::steady_clock::now();
     for (int t = 1; t <= n; ++t) token(t);
     const double s = seconds_since(t0), gbs = static_cast<double>(bytes) / s / 1e9;
-    fmt::print("| {} | {} | {:.1f} | {:.2f} | {:.0f} |\n", q8 ? "int8 (inference)" : "fp32 (exact)", routed ? fmt::format("1 token, top-6 of {} experts, per layer", g_experts)
+    fmt::print("| {} | {} | {:.1f} | {:.1f} | {:.2f} | {:.0f} |\n", q8 ? "int8 (inference)" : "fp32 (exact)",
+               routed ? fmt::format("1 token, top-6 of {} experts, per layer", g_experts)
                       : fmt::format("1 token per expert, all {} experts", g_experts),
-               gbs, gbs / dram, n / s);
+               gbs, dram_here, gbs / dram_here, n / s);
   }
 
   // The kernel alone: one L2-resident matrix per thread, best of 5 rounds of kCalls calls each.
@@ -180,6 +186,7 @@ int main(int argc, char** argv) {
   }
   for (const bool q8 : {false, true}) {
     const auto nt = q8 ? mxfp4_gemm_nt_q8 : mxfp4_gemm_nt;
+    const double dram_here = measure_dram_read_gbs(threads);
     double best = 1e30;
     for (int round = 0; round < 6; ++round) {  // round 0 warms up
       const auto t0 = std::chrono::steady_clock::now();
@@ -190,8 +197,8 @@ int main(int argc, char** argv) {
       if (round > 0) best = std::min(best, seconds_since(t0));
     }
     const double gbs = static_cast<double>(threads * kCalls * mats[0].nbytes()) / best / 1e9;
-    fmt::print("| {} | kernel alone: a 1024 × 1024 matrix per thread, L2-resident | {:.1f} | {:.2f} | |\n",
-               q8 ? "int8 (inference)" : "fp32 (exact)", gbs, gbs / dram);
+    fmt::print("| {} | kernel alone: a 1024 × 1024 matrix per thread, L2-resident | {:.1f} | {:.1f} | {:.2f} | |\n",
+               q8 ? "int8 (inference)" : "fp32 (exact)", gbs, dram_here, gbs / dram_here);
   }
   return 0;
 }
