@@ -63,14 +63,26 @@ Cache& cache() {
 
 void release_all(Cache& c);
 
+// `alloc()`, tried again after handing back the cached blocks (worth less than this
+// allocation) when it fails; never null.
+template <typename Alloc>
+void* allocate_or_fail(size_t bytes, Alloc&& alloc) {
+  void* p = alloc();
+  if (p == nullptr) {
+    release_all(cache());
+    p = alloc();
+  }
+  MOE_CHECK(p != nullptr, "out of memory allocating {}", format_bytes(static_cast<int64_t>(bytes)));
+  return p;
+}
+
 // A small block: malloc'd with 64 bytes to spare and aligned by hand, the malloc'd address kept
 // just before the block. aligned_alloc would split off a small chunk in front of each block,
 // which glibc keeps in its per-thread cache between the large free chunks, so they could not
 // merge, and the heap grew by what a step freed for ten steps or more (a step of 1-16 MiB
 // blocks: 200 MiB of heap for 31 MiB of blocks).
 void* small_block(size_t bytes) {
-  void* base = std::malloc(bytes + 64);
-  MOE_CHECK(base != nullptr, "out of memory allocating {}", format_bytes(static_cast<int64_t>(bytes)));
+  void* base = allocate_or_fail(bytes, [&] { return std::malloc(bytes + 64); });
   const auto at = (reinterpret_cast<uintptr_t>(base) + 64) & ~uintptr_t{63};
   void* data = reinterpret_cast<void*>(at);  // malloc aligns to 8 at least
   static_cast<void**>(data)[-1] = base;
@@ -78,15 +90,11 @@ void* small_block(size_t bytes) {
 }
 void free_small_block(void* data) { std::free(static_cast<void**>(data)[-1]); }
 
-void* fresh(size_t bytes, size_t alignment) {
-  void* p = std::aligned_alloc(alignment, bytes);
-  if (p == nullptr) {  // blocks held for reuse are worth less than this allocation
-    release_all(cache());
-    p = std::aligned_alloc(alignment, bytes);
-  }
-  MOE_CHECK(p != nullptr, "out of memory allocating {}", format_bytes(static_cast<int64_t>(bytes)));
+// A large block: 2 MiB aligned, offered to transparent huge pages.
+void* large_block(size_t bytes) {
+  void* p = allocate_or_fail(bytes, [&] { return std::aligned_alloc(kGranule, bytes); });
 #ifdef MADV_HUGEPAGE
-  if (alignment == kGranule) madvise(p, bytes, MADV_HUGEPAGE);  // a hint; failure is harmless
+  madvise(p, bytes, MADV_HUGEPAGE);  // a hint; failure is harmless
 #endif
   return p;
 }
@@ -120,7 +128,7 @@ HostBlock allocate_block(size_t bytes) {
     }
     ++c.misses;
   }
-  return {fresh(size, kGranule), size};
+  return {large_block(size), size};
 }
 
 void free_block(const HostBlock& block) {

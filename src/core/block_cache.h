@@ -1,12 +1,13 @@
 #pragma once
 // Host memory for tensor storage. Blocks below 32 MiB come from malloc, whose heap recycles
-// them once glibc is told to keep what is freed (see block_cache.cpp); larger ones are kept in a cache when freed and handed out again for the next
-// request of a similar size, the way PyTorch's caching allocator works. Why: glibc serves
-// blocks of 32 MiB and more with a fresh mmap every time, so a 100 MB buffer allocated each step
-// is page-faulted and zeroed by the kernel each step (measured: 55% of the expert-parallel
-// dispatch time at dim 1024, 4096 tokens). Fresh large blocks are also offered to transparent
-// huge pages (madvise), 512x fewer faults. Caching from 1 MiB up cost the small training run
-// 12% more peak RSS (rounding and fragmentation) for no speed, hence the 32 MiB floor.
+// them once glibc is told to keep what is freed (see block_cache.cpp); larger ones are kept in
+// a cache when freed and handed out again for the next request of a similar size, the way
+// PyTorch's caching allocator works. Why: glibc serves blocks of 32 MiB and more with a fresh
+// mmap every time, so a 100 MB buffer allocated each step is page-faulted and zeroed by the
+// kernel each step (measured: 55% of the expert-parallel dispatch time at dim 1024, 4096
+// tokens). Fresh large blocks are also offered to transparent huge pages (madvise), 512x fewer
+// faults. Caching from 1 MiB up cost the small training run 12% more peak RSS (rounding and
+// fragmentation) for no speed, hence the 32 MiB floor.
 //
 // The MemoryTracker keeps counting the bytes tensors use; cached blocks are "reserved", not
 // "allocated", and are bounded: at most kMaxCachedBytes stay cached (the largest go first).

@@ -233,7 +233,7 @@ void quantize_row(const float* x, int64_t cols, int64_t spans, QSpan* out, bool 
 struct RowSpans {
   const uint8_t* packed;
   const uint8_t* scales;
-  const uint8_t* ahead;  // the packed row rows_ahead() rows further on (or the last row), prefetched
+  const uint8_t* ahead;  // the packed row prefetched, further on in the row stream (run())
   int64_t full;          // whole spans
   int64_t rest;          // columns of the short last span, 0 if none
 
@@ -324,8 +324,8 @@ MOE_Q8_AVX512_BASE inline void tree16_x4(const __m512* v, float* out) {
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,avx2,fma")))
 
 // The tiles read a W row's whole spans in place and its padded last span (if any) after them;
-// every span prefetches one cache line, into L2, of the row rows_ahead() / B rows on in the same row
-// stream (run() spreads a tile's rows over B streams). With adjacent rows and one stream, the
+// every span prefetches one cache line, into L2, of the row rows_ahead() / B rows on in the same
+// row stream (run() spreads a tile's rows over B streams). With adjacent rows and one stream, the
 // hardware prefetchers alone left a Zen 4 core streaming about 9 GB/s while the decode loop ran,
 // and 64 rows ahead into L2 gave 13-15 GB/s. With B = 4 streams on an Emerald Rapids Xeon, 2
 // rows ahead in each gave the most: 0.81-0.87 of the DRAM read, against 0.66-0.72 with adjacent
