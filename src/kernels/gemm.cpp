@@ -109,11 +109,10 @@ constexpr int64_t kNr = kNv * kN;
 // Contraction blocks of at most kKc (K split evenly, in multiples of 16, so no block is a short
 // remainder); B block width (a kKc × kNc block of B is reused from L2 by every row panel of a
 // kMc-row block, whose C block stays in L2 over all of K); packed B of one column block is at
-// most kMaxPackedB floats (4 MiB, in L3), narrower for a long K.
+// most max_packed_b floats (kGemmPackedBFloats*, in L3), narrower for a long K.
 constexpr int64_t kKc = 320;
 constexpr int64_t kNc = kN == 16 ? 1024 : 512;
 constexpr int64_t kMc = 4 * kMr;
-constexpr int64_t kMaxPackedB = int64_t{1} << 20;
 
 // ------------------------------------------------------------------------------ packing
 
@@ -333,10 +332,10 @@ void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, 
 // with the rows, into tasks (row blocks of kMc, and column parts when rows alone give too
 // few) that threads take dynamically. Any cut gives the same bits, so it is chosen for speed:
 // enough tasks to balance, few enough to keep A panels reused.
-void run(const Problem& p, int threads) {
+void run(const Problem& p, int threads, int64_t max_packed_b) {
   const int64_t k_blocks = ceil_div(p.K, kKc);
   const int64_t kcb = std::min(kKc, round_up(ceil_div(p.K, k_blocks), 16));
-  const int64_t nc_max = std::clamp(kMaxPackedB / (k_blocks * kcb) / kNr * kNr, kNr, kNc);
+  const int64_t nc_max = std::clamp(max_packed_b / (k_blocks * kcb) / kNr * kNr, kNr, kNc);
   const int64_t block_floats = kcb * std::min(nc_max, round_up(p.N, kNr));
   float* bbuf = kernel_scratch(0, k_blocks * block_floats);
   const int64_t row_blocks = ceil_div(p.M, kMc);
@@ -371,19 +370,18 @@ void run(const Problem& p, int threads) {
   }
 }
 
-// A K longer than kMaxK runs as consecutive slices of K, each continuing the chains the previous
-// one left in C, so packed B stays at most kMaxPackedB floats with column blocks at least 8 panels
-// wide however long K is (a weight gradient over many tokens).
-constexpr int64_t kMaxK = kMaxPackedB / (8 * kNr);
-
-void run_sliced(const Problem& p, int threads) {
-  for (int64_t k0 = 0; k0 < p.K; k0 += kMaxK) {
+// A K longer than max_k runs as consecutive slices of K, each continuing the chains the previous
+// one left in C, so packed B stays at most max_packed_b floats with column blocks at least 8
+// panels wide however long K is (a weight gradient over many tokens).
+void run_sliced(const Problem& p, int threads, int64_t max_packed_b) {
+  const int64_t max_k = max_packed_b / (8 * kNr);
+  for (int64_t k0 = 0; k0 < p.K; k0 += max_k) {
     Problem q = p;
-    q.K = std::min(kMaxK, p.K - k0);
+    q.K = std::min(max_k, p.K - k0);
     q.accumulate = p.accumulate || k0 > 0;
     q.A = p.layout == Layout::TN ? p.A + k0 * p.lda : p.A + k0;
     q.B = p.layout == Layout::NT ? p.B + k0 : p.B + k0 * p.ldb;
-    run(q, threads);
+    run(q, threads, max_packed_b);
   }
 }
 
@@ -439,7 +437,7 @@ void run_skinny(const Problem& p, int threads) {
   else for (int64_t t = 0; t < tasks; ++t) task(t);
 }
 
-void run_any(const Problem& p, int threads) {
+void run_any(const Problem& p, int threads, int64_t max_packed_b) {
   if (p.layout == Layout::NT && p.M <= kSkinnyRows) {
     switch (p.M) {
       case 1: return run_skinny<1>(p, threads);
@@ -448,21 +446,25 @@ void run_any(const Problem& p, int threads) {
       default: return run_skinny<4>(p, threads);
     }
   }
-  run_sliced(p, threads);
+  run_sliced(p, threads, max_packed_b);
 }
 
 #else  // no hardware FMA: the contract spelled out
 
-void run_sliced(const Problem& p, int threads) {
+void run_sliced(const Problem& p, int threads, int64_t /*max_packed_b*/) {
   if (threads <= 1) return exact_scalar(p, {0, p.M, 0, p.N});
   parallel_for_dynamic(0, p.M, [&](int64_t i) { exact_scalar(p, {i, i + 1, 0, p.N}); });
 }
 
-void run_any(const Problem& p, int threads) { run_sliced(p, threads); }
+void run_any(const Problem& p, int threads, int64_t max_packed_b) {
+  run_sliced(p, threads, max_packed_b);
+}
 
 #endif
 
-void Gemm(const Problem& p, int threads) { run_any(p, threads); }
+void Gemm(const Problem& p, int threads, bool per_thread) {
+  run_any(p, threads, per_thread ? kGemmPackedBFloatsPerThread : kGemmPackedBFloatsShared);
+}
 
 }  // namespace HWY_NAMESPACE
 }  // namespace moe
@@ -490,7 +492,7 @@ void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_
   const Problem p{layout, M, N, K, A, lda, B, ldb, C, ldc, accumulate};
   // Work below ~64k multiply-adds is not worth waking other threads for.
   const bool wide = parallel && M * N * K >= (int64_t{1} << 16);
-  MOE_DISPATCH(Gemm)(p, wide ? num_threads() : 1);
+  MOE_DISPATCH(Gemm)(p, wide ? num_threads() : 1, !parallel);
 }
 
 }  // namespace

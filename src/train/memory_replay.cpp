@@ -6,6 +6,7 @@
 #include <memory>
 #include <utility>
 
+#include "kernels/gemm.h"
 #include "kernels/mxfp4.h"
 #include "model/lm_head_loss.h"
 #include "train/memory_replay_parts.h"
@@ -533,14 +534,14 @@ Workspace::Workspace(simd::Target t) {
 // M·N·K >= 2^16 runs on every thread.
 void Workspace::top(int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0 || K <= 0 || !fma_) return;
-  main0_ = std::max(main0_, packed_b(K, N));
+  main0_ = std::max(main0_, packed_b(K, N, kGemmPackedBFloatsShared));
   main1_ = std::max(main1_, a_panels());
   if (M * N * K >= (int64_t{1} << 16)) any1_ = std::max(any1_, a_panels());
 }
 
 void Workspace::serial(int64_t M, int64_t N, int64_t K) {
   if (M <= 0 || N <= 0 || K <= 0 || !fma_) return;
-  any0_ = std::max(any0_, packed_b(K, N));
+  any0_ = std::max(any0_, packed_b(K, N, kGemmPackedBFloatsPerThread));
   any1_ = std::max(any1_, a_panels());
 }
 
@@ -587,18 +588,18 @@ int64_t Workspace::a_panels() const { return ceil_div(4 * mr_, mr_) * mr_ * kKc;
 
 // gemm.cpp run(): K in blocks of <= kKc (split evenly, multiples of 16), B columns in blocks
 // of nc_max, all K blocks of one column block packed together.
-int64_t Workspace::packed_b_once(int64_t K, int64_t N) const {
+int64_t Workspace::packed_b_once(int64_t K, int64_t N, int64_t max_packed_b) const {
   const int64_t k_blocks = ceil_div(K, kKc);
   const int64_t kcb = std::min(kKc, round_up(ceil_div(K, k_blocks), 16));
-  const int64_t nc_max = std::clamp(kMaxPackedB / (k_blocks * kcb) / nr_ * nr_, nr_, nc_);
+  const int64_t nc_max = std::clamp(max_packed_b / (k_blocks * kcb) / nr_ * nr_, nr_, nc_);
   return k_blocks * kcb * std::min(nc_max, round_up(N, nr_));
 }
 
 // run_sliced(): K longer than kMaxK runs as slices.
-int64_t Workspace::packed_b(int64_t K, int64_t N) const {
-  const int64_t max_k = kMaxPackedB / (8 * nr_);
-  int64_t b = packed_b_once(std::min(K, max_k), N);
-  if (K > max_k && K % max_k != 0) b = std::max(b, packed_b_once(K % max_k, N));
+int64_t Workspace::packed_b(int64_t K, int64_t N, int64_t max_packed_b) const {
+  const int64_t max_k = max_packed_b / (8 * nr_);
+  int64_t b = packed_b_once(std::min(K, max_k), N, max_packed_b);
+  if (K > max_k && K % max_k != 0) b = std::max(b, packed_b_once(K % max_k, N, max_packed_b));
   return b;
 }
 

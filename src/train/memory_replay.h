@@ -63,11 +63,10 @@ class Workspace {
 
  private:
   int64_t a_panels() const;
-  int64_t packed_b_once(int64_t K, int64_t N) const;
-  int64_t packed_b(int64_t K, int64_t N) const;
+  int64_t packed_b_once(int64_t K, int64_t N, int64_t max_packed_b) const;
+  int64_t packed_b(int64_t K, int64_t N, int64_t max_packed_b) const;
 
   static constexpr int64_t kKc = 320;
-  static constexpr int64_t kMaxPackedB = int64_t{1} << 20;
   bool fma_ = true;
   int64_t lanes_ = 16, mr_ = 12, nr_ = 32, nc_ = 1024;
   int64_t main0_ = 0, main1_ = 0, any0_ = 0, any1_ = 0;
