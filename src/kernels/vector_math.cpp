@@ -81,6 +81,14 @@ HWY_INLINE V sigmoid(V x) {
   return hn::Div(one, hn::Add(one, exp(hn::Neg(x))));
 }
 
+// The 16 virtual lanes' sums added by the tree (l, l+8), (l, l+4), (l, l+2), (l, l+1).
+template <typename T>
+HWY_INLINE T fold16(T* lanes) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  return lanes[0];
+}
+
 // Sum of f(i, mask) over [0, n) in 16 virtual lanes: lane l adds the values at l, l + 16, ...
 // in order; the lanes are then added by the tree (l, l+8), (l, l+4), (l, l+2), (l, l+1).
 template <typename F>
@@ -101,9 +109,7 @@ HWY_INLINE float sum16(int64_t n, F&& f) {
   }
   alignas(64) float lanes[16];
   for (int64_t q = 0; q < kParts; ++q) hn::Store(acc[q], d, lanes + q * kLanes);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-  return lanes[0];
+  return fold16(lanes);
 }
 
 float RowMax(const float* x, int64_t n) {
@@ -233,9 +239,7 @@ double SumOfSquaresRow(const float* x, int64_t n) {
   alignas(64) double lanes[16];
   for (int64_t q = 0; q < kParts; ++q) hn::Store(acc[q], dd, lanes + q * kLanes);
   for (int64_t j = i; j < n; ++j) lanes[j - i] += static_cast<double>(x[j]) * x[j];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-  return lanes[0];
+  return fold16(lanes);
 }
 
 void AdamWRow(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
