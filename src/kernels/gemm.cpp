@@ -75,8 +75,8 @@ inline void exact_scalar(const Problem& p, const Block& blk) {
     }
 }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 }  // namespace moe::gemm_detail
 #endif  // MOE_KERNELS_GEMM_SHARED
@@ -332,11 +332,22 @@ void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, 
 // with the rows, into tasks (row blocks of kMc, and column parts when rows alone give too
 // few) that threads take dynamically. Any cut gives the same bits, so it is chosen for speed:
 // enough tasks to balance, few enough to keep A panels reused.
-void run(const Problem& p, int threads, int64_t max_packed_b) {
-  const int64_t k_blocks = ceil_div(p.K, kKc);
-  const int64_t kcb = std::min(kKc, round_up(ceil_div(p.K, k_blocks), 16));
+// The blocking of one run() (one slice of K): K blocks of kcb, column blocks of nc_max, each
+// packed for all K blocks into k_blocks·block_floats floats.
+struct Blocking {
+  int64_t k_blocks, kcb, nc_max, block_floats;
+};
+Blocking blocking(int64_t N, int64_t K, int64_t max_packed_b) {
+  const int64_t k_blocks = ceil_div(K, kKc);
+  const int64_t kcb = std::min(kKc, round_up(ceil_div(K, k_blocks), 16));
   const int64_t nc_max = std::clamp(max_packed_b / (k_blocks * kcb) / kNr * kNr, kNr, kNc);
-  const int64_t block_floats = kcb * std::min(nc_max, round_up(p.N, kNr));
+  return {k_blocks, kcb, nc_max, kcb * std::min(nc_max, round_up(N, kNr))};
+}
+// A panels of one task (slot 1).
+constexpr int64_t kAPanelsFloats = ceil_div(kMc, kMr) * kAPanel;
+
+void run(const Problem& p, int threads, int64_t max_packed_b) {
+  const auto [k_blocks, kcb, nc_max, block_floats] = blocking(p.N, p.K, max_packed_b);
   float* bbuf = kernel_scratch(0, k_blocks * block_floats);
   const int64_t row_blocks = ceil_div(p.M, kMc);
   for (int64_t jc = 0; jc < p.N; jc += nc_max) {
@@ -357,7 +368,7 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
       const int64_t r = t / col_parts, c = t % col_parts;
       compute_block(p, b, kcb, r * kMc, std::min(p.M, (r + 1) * kMc), b.jc + c * part,
                     std::min(b.jc + b.nc, b.jc + (c + 1) * part),
-                    kernel_scratch(1, ceil_div(kMc, kMr) * kAPanel));
+                    kernel_scratch(1, kAPanelsFloats));
     };
     const int64_t pack_items = k_blocks * groups;
     if (threads > 1) {
@@ -373,8 +384,10 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
 // A K longer than max_k runs as consecutive slices of K, each continuing the chains the previous
 // one left in C, so packed B stays at most max_packed_b floats with column blocks at least 8
 // panels wide however long K is (a weight gradient over many tokens).
+int64_t slice_k(int64_t max_packed_b) { return max_packed_b / (8 * kNr); }
+
 void run_sliced(const Problem& p, int threads, int64_t max_packed_b) {
-  const int64_t max_k = max_packed_b / (8 * kNr);
+  const int64_t max_k = slice_k(max_packed_b);
   for (int64_t k0 = 0; k0 < p.K; k0 += max_k) {
     Problem q = p;
     q.K = std::min(max_k, p.K - k0);
@@ -449,6 +462,19 @@ void run_any(const Problem& p, int threads, int64_t max_packed_b) {
   run_sliced(p, threads, max_packed_b);
 }
 
+// What run_any asks of the scratch slots: the largest slice's packed B, and the A panels.
+ScratchFloats scratch_floats(int64_t M, int64_t N, int64_t K, bool nt, int64_t max_packed_b) {
+  if (nt && M <= kSkinnyRows) return {};
+  const int64_t max_k = slice_k(max_packed_b);
+  auto packed_b = [&](int64_t k) {
+    const Blocking b = blocking(N, k, max_packed_b);
+    return b.k_blocks * b.block_floats;
+  };
+  int64_t b = packed_b(std::min(K, max_k));
+  if (K > max_k && K % max_k != 0) b = std::max(b, packed_b(K % max_k));
+  return {b, kAPanelsFloats};
+}
+
 #else  // no hardware FMA: the contract spelled out
 
 void run_sliced(const Problem& p, int threads, int64_t /*max_packed_b*/) {
@@ -460,10 +486,18 @@ void run_any(const Problem& p, int threads, int64_t max_packed_b) {
   run_sliced(p, threads, max_packed_b);
 }
 
+ScratchFloats scratch_floats(int64_t, int64_t, int64_t, bool, int64_t) { return {}; }
+
 #endif
 
 void Gemm(const Problem& p, int threads, bool per_thread) {
   run_any(p, threads, per_thread ? kGemmPackedBFloatsPerThread : kGemmPackedBFloatsShared);
+}
+
+ScratchFloats GemmScratch(int64_t M, int64_t N, int64_t K, bool nt, bool per_thread) {
+  if (M <= 0 || N <= 0 || K <= 0) return {};
+  return scratch_floats(M, N, K, nt,
+                        per_thread ? kGemmPackedBFloatsPerThread : kGemmPackedBFloatsShared);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -474,6 +508,7 @@ HWY_AFTER_NAMESPACE();
 namespace moe {
 
 HWY_EXPORT(Gemm);
+HWY_EXPORT(GemmScratch);
 
 namespace {
 
@@ -490,8 +525,7 @@ void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_
     return;
   }
   const Problem p{layout, M, N, K, A, lda, B, ldb, C, ldc, accumulate};
-  // Work below ~64k multiply-adds is not worth waking other threads for.
-  const bool wide = parallel && M * N * K >= (int64_t{1} << 16);
+  const bool wide = parallel && M * N * K >= kGemmParallelMinWork;
   MOE_DISPATCH(Gemm)(p, wide ? num_threads() : 1, !parallel);
 }
 
@@ -520,6 +554,10 @@ void gemm_nn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda
 void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                     int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   gemm(Layout::TN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, false);
+}
+
+ScratchFloats gemm_scratch_floats(int64_t M, int64_t N, int64_t K, bool nt, bool serial) {
+  return MOE_DISPATCH(GemmScratch)(M, N, K, nt, serial);
 }
 
 }  // namespace moe

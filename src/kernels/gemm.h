@@ -9,6 +9,8 @@
 // column j and the start value: the same for any M, N, thread count and SIMD target.
 #include <cstdint>
 
+#include "kernels/kernel_scratch.h"
+
 namespace moe {
 
 // The most floats B is packed into per column block (kernels/gemm.cpp run()): the forms below
@@ -17,6 +19,9 @@ namespace moe {
 // block repacks A.
 inline constexpr int64_t kGemmPackedBFloatsShared = int64_t{1} << 22;
 inline constexpr int64_t kGemmPackedBFloatsPerThread = int64_t{1} << 20;
+// Products of fewer multiply-adds (M·N·K) than this run on the calling thread: not worth waking
+// the others.
+inline constexpr int64_t kGemmParallelMinWork = int64_t{1} << 16;
 
 // C[M,N] (+)= A[M,K] · B[N,K]ᵀ
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
@@ -36,6 +41,10 @@ void gemm_nn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda
                     int64_t ldb, float* C, int64_t ldc, bool accumulate);
 void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                     int64_t ldb, float* C, int64_t ldc, bool accumulate);
+
+// The scratch one call of this shape asks for on the current SIMD target: `nt` for gemm_nt
+// (whose calls of a few rows pack nothing), `serial` for the gemm_*_serial forms.
+ScratchFloats gemm_scratch_floats(int64_t M, int64_t N, int64_t K, bool nt, bool serial);
 
 // Dense-layer conveniences over contiguous buffers: x [T,in], W [out,in], y [T,out].
 inline void linear_forward(const float* x, const float* W, float* y, int64_t T, int64_t in,

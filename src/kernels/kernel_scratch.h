@@ -10,4 +10,11 @@ namespace moe {
 // `slot` tells apart buffers used at the same time by one kernel (0..3).
 float* kernel_scratch(int slot, int64_t floats);
 
+// What one kernel call asks of slots 0 and 1, in floats (0: nothing). The kernels report it for
+// a shape (gemm.h, mxfp4_gemm.h) from the same block sizes they run with, so the memory plan
+// (train/memory_replay.cpp) never restates them.
+struct ScratchFloats {
+  int64_t slot0 = 0, slot1 = 0;
+};
+
 }  // namespace moe

@@ -47,6 +47,8 @@
 //         the next: 128 KiB) and a tile's partial lane sums, one per tree level (2 KiB);
 //     nn: on the buffered path a decoded W panel of kKr rows × 64 columns (64 KiB); the fused
 //         path needs none.
+//   The memory plan asks the kernels (mxfp4_gemm_*_scratch_floats) rather than restating this:
+//   the tile a call of m rows runs comes from one table (with_nt_kernel, with_nn_kernel).
 
 #include <algorithm>
 #include <array>
@@ -120,7 +122,7 @@ alignas(64) inline constexpr auto kUnitScales = [] {
 }();
 alignas(64) inline constexpr float kZeroFloats[std::max(kKc, kKr)] = {};
 
-inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+constexpr int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 }  // namespace moe::mxfp4_detail
 #endif  // MOE_KERNELS_MXFP4_GEMM_SHARED
@@ -459,11 +461,17 @@ HWY_INLINE TileRows tile_rows(int64_t rows, int64_t B, bool spread) {
   return {tiles, spread ? tiles : 1};
 }
 
+// Scratch of run_nt: the split-order x panel, and (buffered) the decoded W rows.
+constexpr ScratchFloats nt_scratch(int A, int B, bool fused) {
+  return {round_up(kMc, A) * kKc, fused ? 0 : B * kKc};
+}
+
 template <int A, int B, bool kFused>
 void run_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y, int64_t ldy,
             bool accumulate) {
-  float* panel = kernel_scratch(0, round_up(kMc, A) * kKc);
-  float* wdec = kFused ? nullptr : kernel_scratch(1, B * kKc);
+  constexpr ScratchFloats kScratch = nt_scratch(A, B, kFused);
+  float* panel = kernel_scratch(0, kScratch.slot0);
+  float* wdec = kFused ? nullptr : kernel_scratch(1, kScratch.slot1);
   float out[A * B];
   const TileRows tr = tile_rows(w.rows, B, kFused);
   // Fused: each row stream prefetches kAhead rows ahead in itself; buffered: the rows kAhead
@@ -655,14 +663,17 @@ HWY_INLINE void lane_panel_rows(const Mxfp4Matrix& w, int64_t r0, int64_t c0, co
   }
 }
 
+// Scratch of run_nt_lanes: slot 0 the regrouped x panel; slot 1 two decoded W panels (this one
+// and the next), then a tile's partial lane sums, one per tree level, and its sums.
+constexpr ScratchFloats kNtLanesScratch = {round_up(kLaneMc, kLaneMr) * kKc,
+                                           2 * kLaneNr * kKc + (kTreeLevels + 1) * kLaneTile};
+
 template <int64_t N>
 void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
                   int64_t ldy, bool accumulate) {
   const D d;
-  float* xpanel = kernel_scratch(0, round_up(kLaneMc, kLaneMr) * kKc);
-  // Slot 1: two decoded W panels (this one and the next), then a tile's partial lane sums, one
-  // per tree level, and its sums.
-  float* wpanels = kernel_scratch(1, 2 * kLaneNr * kKc + (kTreeLevels + 1) * kLaneTile);
+  float* xpanel = kernel_scratch(0, kNtLanesScratch.slot0);
+  float* wpanels = kernel_scratch(1, kNtLanesScratch.slot1);
   float* pending = wpanels + 2 * kLaneNr * kKc;
   float* sums = pending + kTreeLevels * kLaneTile;
   for (int64_t c0 = 0; c0 < w.cols; c0 += kKc) {
@@ -726,42 +737,72 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
 // bench_mxfp4_decode). Beyond that the buffered 4 × 6 tile (24 accumulators, 10 loads per 24
 // FMAs). The shapes were picked by measurement (bench_mxfp4, bench_frozen_experts); none
 // changes the arithmetic.
-template <int64_t N>
-void gemm_nt_dispatch(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
-                      int64_t ldy, bool accumulate) {
+// The kernel a call of m rows runs, handed to `k` as k.template tile<A, B, kFused>() or
+// k.lanes(): one table for the call itself and for the scratch it reports.
+template <int64_t N, class Kernel>
+auto with_nt_kernel(int64_t m, const Kernel& k) {
   if constexpr (N >= 16) {
     switch (m) {
-      case 1: return run_nt<1, 4, true>(m, x, ldx, w, y, ldy, accumulate);
-      case 2: return run_nt<2, 8, true>(m, x, ldx, w, y, ldy, accumulate);
-      case 3: return run_nt<3, 5, true>(m, x, ldx, w, y, ldy, accumulate);
-      case 4: return run_nt<4, 4, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 1: return k.template tile<1, 4, true>();
+      case 2: return k.template tile<2, 8, true>();
+      case 3: return k.template tile<3, 5, true>();
+      case 4: return k.template tile<4, 4, true>();
       // 5-8 rows: two tiles of 4 x rows, each W row decoded twice; a single tile of all rows
       // rereads the x panel (up to 32 KiB) from L2 for every 2-3 W rows (measured 0.9x).
       case 5:
       case 6:
       case 7:
-      case 8: return run_nt<4, 4, true>(m, x, ldx, w, y, ldy, accumulate);
-      default: return run_nt<4, 6, false>(m, x, ldx, w, y, ldy, accumulate);
+      case 8: return k.template tile<4, 4, true>();
+      default: return k.template tile<4, 6, false>();
     }
   } else if constexpr (N == 8) {
     // The fused tiles hold two accumulators per output (its 16 virtual lanes); the buffered one
     // runs a group at a time, 3 × 3 giving 9 independent FMA chains (2 × 4 left the two FMA
     // pipes waiting on 4-cycle latencies: 0.56 vs 0.6 of peak).
     switch (m) {
-      case 1: return run_nt<1, 4, true>(m, x, ldx, w, y, ldy, accumulate);
-      case 2: return run_nt<2, 2, true>(m, x, ldx, w, y, ldy, accumulate);
+      case 1: return k.template tile<1, 4, true>();
+      case 2: return k.template tile<2, 2, true>();
       default:
-        if (m >= kLanesFromRows) return run_nt_lanes<N>(m, x, ldx, w, y, ldy, accumulate);
-        return run_nt<3, 3, false>(m, x, ldx, w, y, ldy, accumulate);
+        if (m >= kLanesFromRows) return k.lanes();
+        return k.template tile<3, 3, false>();
     }
   } else {
-    return run_nt<1, 1, false>(m, x, ldx, w, y, ldy, accumulate);
+    return k.template tile<1, 1, false>();
   }
 }
 
+// A call's operands: m rows of `in` (x or dy) against w into `out` (y or dx).
+struct CallArgs {
+  int64_t m;
+  const float* in;
+  int64_t ldin;
+  const Mxfp4Matrix& w;
+  float* out;
+  int64_t ldout;
+  bool accumulate;
+};
+
+struct NtCall : CallArgs {
+  template <int A, int B, bool kFused>
+  void tile() const { run_nt<A, B, kFused>(m, in, ldin, w, out, ldout, accumulate); }
+  void lanes() const {
+    if constexpr (kN == 8) run_nt_lanes<kN>(m, in, ldin, w, out, ldout, accumulate);
+  }
+};
+
+struct NtScratch {
+  template <int A, int B, bool kFused>
+  ScratchFloats tile() const { return nt_scratch(A, B, kFused); }
+  ScratchFloats lanes() const { return kNtLanesScratch; }
+};
+
 void GemmNT(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y, int64_t ldy,
             bool accumulate) {
-  gemm_nt_dispatch<kN>(m, x, ldx, w, y, ldy, accumulate);
+  with_nt_kernel<kN>(m, NtCall{{m, x, ldx, w, y, ldy, accumulate}});
+}
+
+ScratchFloats GemmNTScratch(int64_t m) {
+  return m <= 0 ? ScratchFloats{} : with_nt_kernel<kN>(m, NtScratch{});
 }
 
 // ------------------------------------------------------------------------------------------
@@ -858,10 +899,15 @@ HWY_INLINE void nn_tile(const float* const* dyr, const float* panel, int64_t rc,
   nn_tile_io<A, NB, false>(acc, dxr, na, nbv, false);
 }
 
+// Scratch of run_nn: (buffered) a decoded W panel.
+constexpr ScratchFloats nn_scratch(int NB, bool fused) {
+  return {fused ? 0 : kKr * NB * kBlock, 0};
+}
+
 template <int A, int NB, bool kFused>
 void run_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
             int64_t lddx, bool accumulate) {
-  float* panel = kFused ? nullptr : kernel_scratch(0, kKr * NB * kBlock);
+  float* panel = kFused ? nullptr : kernel_scratch(0, nn_scratch(NB, kFused).slot0);
   for (int64_t r0 = 0; r0 < w.rows; r0 += kKr) {
     const int64_t rc = std::min(kKr, w.rows - r0);
     const bool start = r0 == 0 && !accumulate;  // else continue the chains stored in dx
@@ -901,35 +947,49 @@ void run_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, floa
   }
 }
 
-template <int64_t N>
-void gemm_nn_dispatch(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
-                      int64_t lddx, bool accumulate) {
+// The kernel a call of m rows runs (see with_nt_kernel).
+template <int64_t N, class Kernel>
+auto with_nn_kernel(int64_t m, const Kernel& k) {
   if constexpr (N >= 16) {
     switch (m) {
-      case 1: return run_nn<1, 8, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      case 2: return run_nn<2, 4, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      case 3: return run_nn<3, 2, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      case 4: return run_nn<4, 2, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      case 5: return run_nn<5, 2, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      case 6: return run_nn<6, 1, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      case 7: return run_nn<7, 1, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      case 8: return run_nn<8, 1, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      default: return run_nn<6, 2, false>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 1: return k.template tile<1, 8, true>();
+      case 2: return k.template tile<2, 4, true>();
+      case 3: return k.template tile<3, 2, true>();
+      case 4: return k.template tile<4, 2, true>();
+      case 5: return k.template tile<5, 2, true>();
+      case 6: return k.template tile<6, 1, true>();
+      case 7: return k.template tile<7, 1, true>();
+      case 8: return k.template tile<8, 1, true>();
+      default: return k.template tile<6, 2, false>();
     }
   } else if constexpr (N == 8) {
     switch (m) {
-      case 1: return run_nn<1, 2, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      case 2: return run_nn<2, 1, true>(m, dy, lddy, w, dx, lddx, accumulate);
-      default: return run_nn<3, 1, false>(m, dy, lddy, w, dx, lddx, accumulate);
+      case 1: return k.template tile<1, 2, true>();
+      case 2: return k.template tile<2, 1, true>();
+      default: return k.template tile<3, 1, false>();
     }
   } else {
-    return run_nn<1, 1, false>(m, dy, lddy, w, dx, lddx, accumulate);
+    return k.template tile<1, 1, false>();
   }
 }
 
+struct NnCall : CallArgs {
+  template <int A, int NB, bool kFused>
+  void tile() const { run_nn<A, NB, kFused>(m, in, ldin, w, out, ldout, accumulate); }
+};
+
+struct NnScratch {
+  template <int A, int NB, bool kFused>
+  ScratchFloats tile() const { return nn_scratch(NB, kFused); }
+};
+
 void GemmNN(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
             int64_t lddx, bool accumulate) {
-  gemm_nn_dispatch<kN>(m, dy, lddy, w, dx, lddx, accumulate);
+  with_nn_kernel<kN>(m, NnCall{{m, dy, lddy, w, dx, lddx, accumulate}});
+}
+
+ScratchFloats GemmNNScratch(int64_t m) {
+  return m <= 0 ? ScratchFloats{} : with_nn_kernel<kN>(m, NnScratch{});
 }
 
 }  // namespace HWY_NAMESPACE
@@ -941,6 +1001,11 @@ namespace moe {
 
 HWY_EXPORT(GemmNT);
 HWY_EXPORT(GemmNN);
+HWY_EXPORT(GemmNTScratch);
+HWY_EXPORT(GemmNNScratch);
+
+ScratchFloats mxfp4_gemm_nt_scratch_floats(int64_t m) { return MOE_DISPATCH(GemmNTScratch)(m); }
+ScratchFloats mxfp4_gemm_nn_scratch_floats(int64_t m) { return MOE_DISPATCH(GemmNNScratch)(m); }
 
 void mxfp4_gemm_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
                    int64_t ldy, bool accumulate) {

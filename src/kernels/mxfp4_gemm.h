@@ -3,6 +3,8 @@
 // copy of the weight never exists (scratch is bounded by one tile, see mxfp4_gemm.cpp).
 #include <cstdint>
 
+#include "kernels/kernel_scratch.h"
+
 namespace moe {
 
 // A packed matrix W [rows, cols] (rows = out features, cols = in features, cols % 32 == 0 for
@@ -31,5 +33,9 @@ void mxfp4_gemm_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w,
 // dx[m, cols] (+)= dy[m, rows] · W
 void mxfp4_gemm_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
                    int64_t lddx, bool accumulate);
+
+// The scratch a call of m rows asks for on the current SIMD target (whatever W's shape).
+ScratchFloats mxfp4_gemm_nt_scratch_floats(int64_t m);
+ScratchFloats mxfp4_gemm_nn_scratch_floats(int64_t m);
 
 }  // namespace moe

@@ -364,7 +364,7 @@ MemoryPlan plan_training_memory(const TrainConfig& cfg, const ModelConfig& mc, i
   // The static categories, then one replayed micro-batch on top of them. V3's RoPE table is
   // sized by the sequence; V4's two tables grow inside the replay, as the first step grows them.
   Ledger ledger;
-  Workspace ws(simd::current());
+  Workspace ws;
   const int64_t rope_bytes = v4 ? 0 : d.S * d.dr * 4;  // cos and sin [seq, rope/2]
   const int64_t weight_bytes = 4 * st.fp32_weights + st.expert_packed_bytes + rope_bytes;
   const int64_t adapter_bytes = 4 * plan.adapter_params;

@@ -8,6 +8,7 @@
 
 #include "kernels/gemm.h"
 #include "kernels/mxfp4.h"
+#include "kernels/mxfp4_gemm.h"
 #include "model/lm_head_loss.h"
 #include "train/memory_replay_parts.h"
 
@@ -519,88 +520,37 @@ ReplayResult replay_training_step(const Dims& d, const std::vector<LayerShape>& 
 // ---------------------------------------------------------------- kernel workspace
 // kernels/kernel_scratch.h: per thread, slot 0 holds the fp32 GEMM's packed B (or an MXFP4
 // kernel's x panel / decoded W panel), slot 1 the GEMM's packed A panels (or MXFP4's decoded W
-// rows). Each slot keeps the largest request it saw. Top-level GEMMs pack B on the calling
-// (main) thread; serial GEMMs inside parallel loops, and the MXFP4 kernels, on any thread.
-// The sizes below mirror kernels/gemm.cpp (run, run_sliced) and kernels/mxfp4_gemm.cpp.
+// rows). Each slot keeps the largest request it saw, and the kernels say what each call
+// requests (gemm_scratch_floats, mxfp4_gemm_*_scratch_floats). What is modelled here is which
+// thread asks: top-level GEMMs pack B on the calling (main) thread and hand row blocks to every
+// thread when wide enough; serial GEMMs inside parallel loops, and the MXFP4 kernels, run on
+// any thread.
 
-Workspace::Workspace(simd::Target t) {
-  if (t == simd::Target::Avx2) lanes_ = 8;
-  if (t == simd::Target::Scalar) fma_ = false, lanes_ = 4;
-  mr_ = lanes_ == 16 ? 12 : 6;
-  nr_ = 2 * lanes_;
-  nc_ = lanes_ == 16 ? 1024 : 512;
+void Workspace::top(int64_t M, int64_t N, int64_t K, bool nt) {
+  const ScratchFloats s = gemm_scratch_floats(M, N, K, nt, /*serial=*/false);
+  main0_ = std::max(main0_, s.slot0);
+  main1_ = std::max(main1_, s.slot1);
+  if (M * N * K >= kGemmParallelMinWork) any1_ = std::max(any1_, s.slot1);
 }
 
-// M·N·K >= 2^16 runs on every thread.
-void Workspace::top(int64_t M, int64_t N, int64_t K) {
-  if (M <= 0 || N <= 0 || K <= 0 || !fma_) return;
-  main0_ = std::max(main0_, packed_b(K, N, kGemmPackedBFloatsShared));
-  main1_ = std::max(main1_, a_panels());
-  if (M * N * K >= (int64_t{1} << 16)) any1_ = std::max(any1_, a_panels());
+void Workspace::on_any_thread(ScratchFloats s) {
+  any0_ = std::max(any0_, s.slot0);
+  any1_ = std::max(any1_, s.slot1);
 }
 
-void Workspace::serial(int64_t M, int64_t N, int64_t K) {
-  if (M <= 0 || N <= 0 || K <= 0 || !fma_) return;
-  any0_ = std::max(any0_, packed_b(K, N, kGemmPackedBFloatsPerThread));
-  any1_ = std::max(any1_, a_panels());
+void Workspace::serial(int64_t M, int64_t N, int64_t K, bool nt) {
+  on_any_thread(gemm_scratch_floats(M, N, K, nt, /*serial=*/true));
 }
 
-// gemm.cpp's run_any: nt products of up to kSkinnyRows = 4 rows stream W without packing.
-void Workspace::top_nt(int64_t M, int64_t N, int64_t K) {
-  if (M > 4) top(M, N, K);
-}
+void Workspace::mxfp4_nt(int64_t m) { on_any_thread(mxfp4_gemm_nt_scratch_floats(m)); }
 
-void Workspace::serial_nt(int64_t M, int64_t N, int64_t K) {
-  if (M > 4) serial(M, N, K);
-}
-
-void Workspace::mxfp4_nt(int64_t m) {
-  if (m <= 0) return;
-  // Tiles of A x rows: the x panel is round_up(kMc = 64, A) rows of kKc = 1024 floats; A = 3
-  // (a 3-row item on AVX-512, every buffered tile on AVX2) gives 66 rows.
-  const int64_t A = lanes_ == 16 ? 3 : lanes_ == 8 ? 3 : 1;
-  any0_ = std::max(any0_, round_up(64, A) * 1024);
-  // AVX2 from 32 rows on: the per-lane GEMMs, an x panel of round_up(512, 6) rows, then two
-  // panels of 2·lanes decoded W rows and 5 partial sums of a 6-row tile (4 tree levels + sums).
-  if (lanes_ == 8 && m >= 32) {
-    any0_ = std::max(any0_, round_up(512, 6) * 1024);
-    any1_ = std::max<int64_t>(any1_, 2 * 2 * lanes_ * 1024 + 5 * 6 * 2 * lanes_);
-    return;
-  }
-  const bool buffered = lanes_ == 16 ? m > 8 : lanes_ == 8 ? m > 2 : true;
-  if (buffered) any1_ = std::max<int64_t>(any1_, (lanes_ == 16 ? 6 : lanes_ == 8 ? 3 : 1) * 1024);
-}
-
-void Workspace::mxfp4_nn(int64_t m) {
-  if (m <= 0) return;
-  const bool buffered = lanes_ == 16 ? m > 8 : lanes_ == 8 ? m > 2 : true;
-  if (buffered) any0_ = std::max<int64_t>(any0_, 256 * (lanes_ == 16 ? 2 : 1) * mxfp4::kBlock);
-}
+void Workspace::mxfp4_nn(int64_t m) { on_any_thread(mxfp4_gemm_nn_scratch_floats(m)); }
 
 int64_t Workspace::bytes(int threads) const {
   const auto r16 = [](int64_t f) { return round_up(f, 16); };
   const int64_t main = r16(std::max(main0_, any0_)) + r16(std::max(main1_, any1_));
   const int64_t other = r16(any0_) + r16(any1_);
   return 4 * (main + static_cast<int64_t>(std::max(threads, 1) - 1) * other);
-}
-
-int64_t Workspace::a_panels() const { return ceil_div(4 * mr_, mr_) * mr_ * kKc; }
-
-// gemm.cpp run(): K in blocks of <= kKc (split evenly, multiples of 16), B columns in blocks
-// of nc_max, all K blocks of one column block packed together.
-int64_t Workspace::packed_b_once(int64_t K, int64_t N, int64_t max_packed_b) const {
-  const int64_t k_blocks = ceil_div(K, kKc);
-  const int64_t kcb = std::min(kKc, round_up(ceil_div(K, k_blocks), 16));
-  const int64_t nc_max = std::clamp(max_packed_b / (k_blocks * kcb) / nr_ * nr_, nr_, nc_);
-  return k_blocks * kcb * std::min(nc_max, round_up(N, nr_));
-}
-
-// run_sliced(): K longer than kMaxK runs as slices.
-int64_t Workspace::packed_b(int64_t K, int64_t N, int64_t max_packed_b) const {
-  const int64_t max_k = max_packed_b / (8 * nr_);
-  int64_t b = packed_b_once(std::min(K, max_k), N, max_packed_b);
-  if (K > max_k && K % max_k != 0) b = std::max(b, packed_b_once(K % max_k, N, max_packed_b));
-  return b;
 }
 
 }  // namespace moe::memory_replay

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/memory.h"
-#include "core/simd.h"
+#include "kernels/kernel_scratch.h"
 
 namespace moe::memory_replay {
 
@@ -42,19 +42,17 @@ class Ledger {
   std::string phase_;
 };
 
-// kernels/kernel_scratch.h's per-thread slots, sized by the largest request each saw (see
-// memory_replay.cpp for how the sizes mirror the kernels).
+// kernels/kernel_scratch.h's per-thread slots, sized by the largest request each saw; each
+// kernel reports what a call asks for on the current SIMD target (see memory_replay.cpp).
 class Workspace {
  public:
-  explicit Workspace(simd::Target t);
-  // A gemm_nt/nn/tn called outside parallel loops.
-  void top(int64_t M, int64_t N, int64_t K);
+  // A gemm_nt/nn/tn called outside parallel loops (`nt`: gemm_nt, whose calls of a few rows
+  // pack nothing).
+  void top(int64_t M, int64_t N, int64_t K, bool nt = false);
+  void top_nt(int64_t M, int64_t N, int64_t K) { top(M, N, K, true); }
   // A gemm_*_serial inside a parallel loop: any thread.
-  void serial(int64_t M, int64_t N, int64_t K);
-  // The same for an nt product (x·Wᵀ), whose calls of up to 4 rows pack nothing (gemm.cpp's
-  // skinny path).
-  void top_nt(int64_t M, int64_t N, int64_t K);
-  void serial_nt(int64_t M, int64_t N, int64_t K);
+  void serial(int64_t M, int64_t N, int64_t K, bool nt = false);
+  void serial_nt(int64_t M, int64_t N, int64_t K) { serial(M, N, K, true); }
   // mxfp4_gemm_nt / _nn over m rows (inside parallel loops).
   void mxfp4_nt(int64_t m);
   void mxfp4_nn(int64_t m);
@@ -62,13 +60,8 @@ class Workspace {
   int64_t main_bytes() const { return bytes(1); }
 
  private:
-  int64_t a_panels() const;
-  int64_t packed_b_once(int64_t K, int64_t N, int64_t max_packed_b) const;
-  int64_t packed_b(int64_t K, int64_t N, int64_t max_packed_b) const;
+  void on_any_thread(ScratchFloats s);
 
-  static constexpr int64_t kKc = 320;
-  bool fma_ = true;
-  int64_t lanes_ = 16, mr_ = 12, nr_ = 32, nc_ = 1024;
   int64_t main0_ = 0, main1_ = 0, any0_ = 0, any1_ = 0;
 };
 
