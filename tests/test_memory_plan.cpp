@@ -21,14 +21,19 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <thread>
+#include <vector>
 
 #include "core/memory.h"
 #include "core/parallel.h"
 #include "io/checkpoint.h"
 #include "io/model_spec.h"
+#include "kernels/gemm.h"
+#include "kernels/mxfp4_gemm.h"
 #include "model/causal_lm.h"
 #include "train/memory_plan.h"
+#include "train/memory_replay.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
 #include "test_util.h"
@@ -393,4 +398,80 @@ TEST(MemoryPlan, CliPrintsThe671bPlan) {
   EXPECT_EQ(run.status, 0) << out;
   for (const char* s : {"per rank", "deepseek-v3-671b", "adapter_optimizer", "32 of 256", "total"})
     EXPECT_NE(out.find(s), std::string::npos) << s << "\n" << out;
+}
+
+// The plan's Workspace asks the kernels what a call requests (kernels/kernel_scratch.h); that
+// report must be what the call really allocates. A fresh thread owns no scratch, so what the
+// tracker's Workspace grows by during its one call is that call's request (rounded to 16 floats).
+namespace {
+
+int64_t workspace_of_one_call(const std::function<void()>& call) {
+  int64_t grown = 0;
+  std::thread t([&] {
+    const int64_t before = MemoryTracker::instance().current(MemCategory::Workspace);
+    call();
+    grown = MemoryTracker::instance().current(MemCategory::Workspace) - before;
+  });
+  t.join();
+  return grown;
+}
+
+int64_t bytes_of(ScratchFloats s) {
+  const auto r16 = [](int64_t f) { return (f + 15) / 16 * 16; };
+  return 4 * (r16(s.slot0) + r16(s.slot1));
+}
+
+}  // namespace
+
+TEST(KernelScratch, ReportsAreWhatCallsAllocate) {
+  const int64_t rows = 40, cols = 1024, max_m = 512;
+  std::vector<uint8_t> packed(rows * cols / 2, 0x21), scales(rows * cols / 32, 127);
+  const Mxfp4Matrix w{packed.data(), scales.data(), rows, cols, cols / 2, cols / 32};
+  std::vector<float> in(max_m * cols, 0.5f), out(max_m * cols);
+  for (int64_t m : {1, 2, 3, 4, 5, 8, 9, 16, 31, 32, 33, 64, 100, 512}) {
+    EXPECT_EQ(workspace_of_one_call([&] {
+                mxfp4_gemm_nt(m, in.data(), cols, w, out.data(), rows, false);
+              }),
+              bytes_of(mxfp4_gemm_nt_scratch_floats(m)))
+        << "nt, m = " << m;
+    EXPECT_EQ(workspace_of_one_call([&] {
+                mxfp4_gemm_nn(m, in.data(), rows, w, out.data(), cols, false);
+              }),
+              bytes_of(mxfp4_gemm_nn_scratch_floats(m)))
+        << "nn, m = " << m;
+  }
+  // The fp32 GEMM's serial forms: the skinny nt path, one K block, several, and K in slices
+  // with a remainder.
+  struct Shape {
+    int64_t M, N, K;
+  };
+  for (const Shape s : {Shape{3, 100, 50}, Shape{64, 320, 256}, Shape{20, 64, 1000},
+                        Shape{16, 64, 9000}}) {
+    std::vector<float> a(s.M * s.K, 0.25f), b(s.N * s.K, 0.5f), c(s.M * s.N);
+    EXPECT_EQ(workspace_of_one_call([&] {
+                gemm_nt_serial(s.M, s.N, s.K, a.data(), s.K, b.data(), s.K, c.data(), s.N, false);
+              }),
+              bytes_of(gemm_scratch_floats(s.M, s.N, s.K, /*nt=*/true, /*serial=*/true)))
+        << "nt " << s.M << " x " << s.N << " x " << s.K;
+    EXPECT_EQ(workspace_of_one_call([&] {
+                gemm_nn_serial(s.M, s.N, s.K, a.data(), s.K, b.data(), s.N, c.data(), s.N, false);
+              }),
+              bytes_of(gemm_scratch_floats(s.M, s.N, s.K, /*nt=*/false, /*serial=*/true)))
+        << "nn " << s.M << " x " << s.N << " x " << s.K;
+  }
+}
+
+// An expert's calls have any row count up to the largest, and a smaller one can ask for more
+// (a 3-row tile's x panel on AVX-512): the plan covers every count.
+TEST(KernelScratch, PlanCoversEveryRowCountOfAnExpert) {
+  memory_replay::Workspace plan;
+  plan.mxfp4_nt(512);
+  plan.mxfp4_nn(512);
+  for (int64_t m = 1; m <= 512; ++m)
+    for (const ScratchFloats s :
+         {mxfp4_gemm_nt_scratch_floats(m), mxfp4_gemm_nn_scratch_floats(m)}) {
+      memory_replay::Workspace with_call = plan;
+      with_call.on_any_thread(s);
+      EXPECT_EQ(with_call.bytes(2), plan.bytes(2)) << "a call of " << m << " rows needs more";
+    }
 }

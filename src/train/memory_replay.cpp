@@ -542,9 +542,15 @@ void Workspace::serial(int64_t M, int64_t N, int64_t K, bool nt) {
   on_any_thread(gemm_scratch_floats(M, N, K, nt, /*serial=*/true));
 }
 
-void Workspace::mxfp4_nt(int64_t m) { on_any_thread(mxfp4_gemm_nt_scratch_floats(m)); }
+// An expert's calls have any number of rows up to m, and a smaller call may run a tile with a
+// larger x panel (3 rows: 66 of them on AVX-512): every count is asked.
+void Workspace::mxfp4_nt(int64_t m) {
+  for (int64_t r = 1; r <= m; ++r) on_any_thread(mxfp4_gemm_nt_scratch_floats(r));
+}
 
-void Workspace::mxfp4_nn(int64_t m) { on_any_thread(mxfp4_gemm_nn_scratch_floats(m)); }
+void Workspace::mxfp4_nn(int64_t m) {
+  for (int64_t r = 1; r <= m; ++r) on_any_thread(mxfp4_gemm_nn_scratch_floats(r));
+}
 
 int64_t Workspace::bytes(int threads) const {
   const auto r16 = [](int64_t f) { return round_up(f, 16); };

@@ -53,15 +53,15 @@ class Workspace {
   // A gemm_*_serial inside a parallel loop: any thread.
   void serial(int64_t M, int64_t N, int64_t K, bool nt = false);
   void serial_nt(int64_t M, int64_t N, int64_t K) { serial(M, N, K, true); }
-  // mxfp4_gemm_nt / _nn over m rows (inside parallel loops).
+  // mxfp4_gemm_nt / _nn calls of up to m rows (inside parallel loops).
   void mxfp4_nt(int64_t m);
   void mxfp4_nn(int64_t m);
+  // Any kernel call asking for s, on any thread.
+  void on_any_thread(ScratchFloats s);
   int64_t bytes(int threads) const;
   int64_t main_bytes() const { return bytes(1); }
 
  private:
-  void on_any_thread(ScratchFloats s);
-
   int64_t main0_ = 0, main1_ = 0, any0_ = 0, any1_ = 0;
 };
 
