@@ -203,6 +203,34 @@ TEST(TiktokenFixture, ASpecialIdInAGapOfTheRanksDecodesToItsText) {
   EXPECT_EQ(tok.decode(ids), "[BOS]ab");
 }
 
+// Found by tests/fuzz/fuzz_tiktoken: added_tokens_decoder keys " 300" and "300" both read as id
+// 300, so the id had two texts; "<|a|>" encoded to 300 and decoded as "<|b|>". Keys are now
+// digits only, and an id given two texts is an error either way.
+TEST(TiktokenFixture, AnIdWithTwoTokensIsAnError) {
+  const std::string ranks = single_byte_ranks();
+  for (const char* key : {" 300", "+300", "0300", "3e2", ""}) {
+    const std::string config = std::string(R"({"added_tokens_decoder": {")") + key +
+                               R"(": {"content": "<|a|>", "special": true}, "300": {"content": "<|b|>", "special": true}}})";
+    try {
+      TiktokenTokenizer::from_text(ranks, "two.model", config, "two_config.json");
+      FAIL() << "no error for key `" << key << "`";
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("two_config.json"), std::string::npos) << what;
+      EXPECT_NE(what.find(std::string("key `") + key + "`"), std::string::npos) << what;
+    }
+  }
+  // And one text at two ids stays an error too.
+  try {
+    TiktokenTokenizer::from_text(ranks, "two.model",
+                                 R"({"added_tokens_decoder": {"300": {"content": "<|a|>"}, "301": {"content": "<|a|>"}}})",
+                                 "two_config.json");
+    FAIL() << "no error for one text at two ids";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("has two ids"), std::string::npos) << e.what();
+  }
+}
+
 // tiktoken's byte_pair_merge as OpenAI wrote it (O(n^2)): the reference for our heap-based merge.
 std::vector<int32_t> quadratic_byte_pair_merge(const TiktokenTokenizer& tok, const std::string& piece) {
   auto rank = [&](size_t a, size_t b) {

@@ -416,20 +416,21 @@ TiktokenTokenizer TiktokenTokenizer::from_text(const std::string& ranks_text, co
       const auto [it, inserted] = impl->special_by_text.emplace(text, static_cast<int32_t>(id));
       MOE_CHECK(inserted || it->second == id, "{}: {}: `{}` has two ids ({} and {})", config_source, where, text,
                 it->second, id);
-      impl->special_by_id[static_cast<int32_t>(id)] = text;
+      const auto [at, fresh] = impl->special_by_id.emplace(static_cast<int32_t>(id), text);
+      MOE_CHECK(fresh || at->second == text, "{}: {}: id {} has two tokens (`{}` and `{}`)", config_source, where,
+                id, at->second, text);
     };
     if (cfg.contains("added_tokens_decoder")) {
       const nlohmann::json& added = cfg.at("added_tokens_decoder");
       MOE_CHECK(added.is_object(), "{}: added_tokens_decoder: expected an object", config_source);
       for (const auto& [key, v] : added.items()) {
-        int64_t id = -1;
-        try {
-          size_t used = 0;
-          id = std::stoll(key, &used);
-          if (used != key.size()) id = -1;
-        } catch (const std::exception&) {
-        }
-        add_special(id, config_token_text(v), "added_tokens_decoder." + key);
+        // Digits only: stoll would also read " 7", "+7" or "07" as 7, and a second key for the
+        // same id would give it a second text.
+        const bool digits = !key.empty() && key.size() <= 10 && (key.size() == 1 || key[0] != '0') &&
+                            std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+        MOE_CHECK(digits, "{}: added_tokens_decoder: key `{}` is not a token id (expected decimal digits)",
+                  config_source, key);
+        add_special(std::stoll(key), config_token_text(v), "added_tokens_decoder." + key);
       }
     }
     // tokenization_moonshot.py: every slot of [n_ranks, n_ranks + 256) is a special token.
