@@ -327,11 +327,9 @@ HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const*
   };
 #pragma GCC unroll 16
   for (int b = 0; b < B; ++b) hwy::Prefetch(next_ws[b]);
-  for (int64_t k = 0; k < cc / kBlock; ++k) {
-    if (k % 4 == 0) {
-#pragma GCC unroll 16
-      for (int b = 0; b < B; ++b) hwy::Prefetch(next_wp[b] + k * 16);
-    }
+  // Block k of every row; a prefetch of one 64-byte line of each row stream goes with each 4th
+  // block.
+  auto step = [&](int64_t k) HWY_ATTR __attribute__((always_inline)) {
     const int64_t col = k * kBlock;
     if constexpr (A < B) {
       // Few x rows: keep them in registers and stream the W rows past them.
@@ -373,7 +371,26 @@ HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const*
           }
         }
     }
+  };
+  auto prefetch = [&](int64_t k) {
+#pragma GCC unroll 16
+    for (int b = 0; b < B; ++b) hwy::Prefetch(next_wp[b] + k * 16);
+  };
+  // 4 blocks per trip, the prefetches without a branch: on a 1024 × 1024 matrix in L2 (Zen 5),
+  // one x row went from 2.85 to 2.72 cycles per block and W row on AVX-512, two rows on AVX2
+  // from 9.2 to 8.5; 4 and 8 rows were unchanged. (`step` must be inlined: called, it cost AVX2
+  // a fifth.)
+  const int64_t blocks = cc / kBlock;
+  int64_t k = 0;
+  for (; k + 4 <= blocks; k += 4) {
+    prefetch(k);
+    step(k);
+    step(k + 1);
+    step(k + 2);
+    step(k + 3);
   }
+  if (k < blocks) prefetch(k);
+  for (; k < blocks; ++k) step(k);
   float parts[A * B * kGroups];
   reduce_lanes<A * B * static_cast<int>(kGroups)>(acc, parts);
   reduce_groups<A * B>(parts, out);
