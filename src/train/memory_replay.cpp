@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "kernels/gemm.h"
-#include "kernels/mxfp4.h"
 #include "kernels/mxfp4_gemm.h"
 #include "model/lm_head_loss.h"
 #include "train/memory_replay_parts.h"
