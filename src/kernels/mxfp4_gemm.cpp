@@ -41,7 +41,7 @@
 //
 // * Scratch, per thread (kernels/kernel_scratch.h: kept between calls, counted as workspace),
 //   bounded independently of the matrix — larger operands are walked chunk by chunk:
-//     nt: the split-order x panel, at most kMc × kKc floats (256 KiB), plus on the buffered
+//     nt: the split-order x panel, at most kMc × kKc floats (512 KiB), plus on the buffered
 //         path B decoded W rows of kKc floats (B = 6 on AVX-512: 24 KiB); the per-lane path
 //         (AVX2) holds 516 x rows (2 MiB), then two panels of 16 decoded W rows (this one and
 //         the next: 128 KiB) and a tile's partial lane sums, one per tree level (2 KiB);
@@ -65,11 +65,14 @@
 namespace moe::mxfp4_detail {
 
 using mxfp4::kBlock;
-// nt contraction chunk (columns of W) and x panel height: the panel (256 KiB) stays in L2 while
+// nt contraction chunk (columns of W) and x panel height: the panel (512 KiB) stays in L2 while
 // every W row of the chunk passes over it; 1024 columns keep the per-output lane reduction
-// (a few shuffles) small next to its 64 FMAs.
+// (a few shuffles) small next to its 64 FMAs. The buffered path decodes each W row once per
+// panel, so the height sets the decode's share: 128 rows instead of 64 measured 1.02-1.03x at
+// 128-512 rows and 192 or 256 rows were slower again (one core, Zen 5, 32 experts in turn); on
+// AVX2 calls of 32 rows or more take the per-lane path, whose panel is kLaneMc.
 inline constexpr int64_t kKc = 1024;
-inline constexpr int64_t kMc = 64;
+inline constexpr int64_t kMc = 128;
 // nn contraction chunk (rows of W): accumulators are stored into dx once per chunk.
 inline constexpr int64_t kKr = 256;
 
@@ -233,11 +236,15 @@ class BlockDecoder {
 };
 using Decoder = BlockDecoder<kN>;
 
-// Decodes `blocks` consecutive blocks of one W row into dst in split order.
+// Decodes `blocks` consecutive blocks of one W row into dst in split order. ahead /
+// ahead_scales (optional): the same blocks of a row decoded later, prefetched a line per 4 blocks.
 HWY_INLINE void decode_blocks(const uint8_t* packed, const uint8_t* scales, int64_t blocks,
-                              float* dst) {
+                              float* dst, const uint8_t* ahead = nullptr,
+                              const uint8_t* ahead_scales = nullptr) {
   const D d;
+  if (ahead_scales) hwy::Prefetch(ahead_scales);
   for (int64_t k = 0; k < blocks; ++k) {
+    if (ahead && k % 4 == 0) hwy::Prefetch(ahead + k * 16);
     V e[kGroups], o[kGroups];
     Decoder(scales[k]).block(packed + k * 16, e, o);
     for (int64_t q = 0; q < kGroups; ++q) {
@@ -513,7 +520,8 @@ void run_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float*
           next_ws[b] = ahead_in ? w.scales + rn * w.scale_stride + c0 / kBlock : kZeroBytes;
         }
         if constexpr (!kFused)
-          for (int64_t b = 0; b < B; ++b) decode_blocks(wp[b], ws[b], cc / kBlock, wdec + b * cc);
+          for (int64_t b = 0; b < B; ++b)
+            decode_blocks(wp[b], ws[b], cc / kBlock, wdec + b * cc, next_wp[b], next_ws[b]);
         for (int64_t a0 = 0; a0 < mi; a0 += A) {
           if constexpr (kFused)
             nt_fused_tile<A, B>(panel + a0 * cc, cc, wp, ws, next_wp, next_ws, cc, out);
