@@ -610,10 +610,18 @@ constexpr int64_t kPiecesPerBlock = kLaneNr / kN;
 
 template <int64_t N>
 HWY_INLINE void decode_lane_piece(const uint8_t* const* wp, const uint8_t* const* ws, int64_t cc,
-                                  int64_t piece, float* panel) {
+                                  int64_t piece, float* panel,
+                                  const uint8_t* const* ahead = nullptr,
+                                  const uint8_t* const* ahead_scales = nullptr) {
   const D d;
   const int64_t kl = cc / 16;
   const int64_t blk = piece / kPiecesPerBlock, r0 = piece % kPiecesPerBlock * N;
+  if (ahead && blk % 4 == 0)  // a line of the same rows' blocks in the panel decoded after this
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < N; ++i) {
+      hwy::Prefetch(ahead[r0 + i] + blk * 16);
+      if (blk % 64 == 0) hwy::Prefetch(ahead_scales[r0 + i] + blk);
+    }
   V e[kGroups][N], o[kGroups][N];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < N; ++i) {
@@ -722,6 +730,11 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
         // pipe with the FMAs, so the overlap is partial).
         const bool more = r0 + kLaneNr < w.rows;
         if (more) lane_panel_rows(w, r0 + kLaneNr, c0, wp, ws);
+        // W is streamed from memory once per x panel: the panel after the next one is
+        // prefetched as the next one is decoded.
+        const uint8_t *ahead_wp[kLaneNr], *ahead_ws[kLaneNr];
+        const bool prefetch = r0 + 2 * kLaneNr < w.rows;
+        if (prefetch) lane_panel_rows(w, r0 + 2 * kLaneNr, c0, ahead_wp, ahead_ws);
         // After lane GEMM s of the panel's tiles·16, floor(s·pieces / (tiles·16)) pieces of the
         // next panel are decoded; `credit` counts that without a division per lane (the idiv
         // drew 2% of this function's samples at 512 rows).
@@ -733,7 +746,8 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
             lane_tile(xt + l * kl * kLaneMr, wpanel + l * kl * kLaneNr, kl, l, pending, sums);
             if (more)
               for (credit += pieces; credit >= steps; credit -= steps)
-                decode_lane_piece<N>(wp, ws, cc, decoded++, next);
+                decode_lane_piece<N>(wp, ws, cc, decoded++, next, prefetch ? ahead_wp : nullptr,
+                                     ahead_ws);
           }
           const int64_t na = std::min<int64_t>(kLaneMr, mi - a0);
           for (int64_t a = 0; a < na; ++a)
