@@ -111,6 +111,34 @@ TEST(VectorMath, SumOfSquaresIsTheSixteenLaneSum) {
   EXPECT_EQ(sum_of_squares(big, 2), 2.0 * f * f);
 }
 
+TEST(VectorMath, AddRowAndColumnSumsAreTheScalarLoopsOnEveryTarget) {
+  // RMSNorm's weight gradient and the residual adds: the vector kernels must keep the scalar
+  // loops' bits (one double chain per column from +0, rows in order).
+  Rng rng(12);
+  const int64_t rows = 37, stride = 70;
+  Tensor x = random_tensor({rows * stride}, rng, 3.0f), dy = random_tensor({rows * stride}, rng),
+         rstd = random_tensor({rows}, rng, 2.0f);
+  for_each_simd_target([&](simd::Target t) {
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{8}, int64_t{17}, int64_t{64}}) {
+      for (int64_t off : {int64_t{0}, int64_t{6}}) {
+        double got[64];
+        scaled_product_column_sums(x.f32() + off, dy.f32() + off, rstd.f32(), rows, stride, n, got);
+        for (int64_t j = 0; j < n; ++j) {
+          double want = 0;
+          for (int64_t r = 0; r < rows; ++r)
+            want += static_cast<double>(dy.f32()[r * stride + off + j]) * x.f32()[r * stride + off + j] *
+                    static_cast<double>(rstd.f32()[r]);
+          ASSERT_EQ(got[j], want) << simd::name(t) << " n=" << n << " j=" << j;
+        }
+      }
+      std::vector<float> y(dy.f32(), dy.f32() + n + 5);
+      add_row(y.data() + 5, x.f32(), n);
+      for (int64_t i = 0; i < n + 5; ++i)
+        ASSERT_EQ(y[i], i < 5 ? dy.f32()[i] : dy.f32()[i] + x.f32()[i - 5]) << simd::name(t) << " n=" << n;
+    }
+  });
+}
+
 TEST(VectorMath, NaNInARowReachesTheSum) {
   // A non-finite step must be seen as such, not turned into a finite loss.
   std::vector<float> row = {1.0f, NAN, 2.0f};

@@ -77,21 +77,14 @@ void rmsnorm_backward(const float* x, const float* w, const float* rstd, const f
   const int64_t blocks = (dim + 63) / 64;
   parallel_for(0, blocks, [&](int64_t b) {
     const int64_t lo = b * 64, hi = std::min(dim, lo + 64);
-    double acc[64] = {};
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * dim;
-      const float* dyr = dy + r * dim;
-      const double rs = rstd[r];
-      for (int64_t i = lo; i < hi; ++i) acc[i - lo] += static_cast<double>(dyr[i]) * xr[i] * rs;
-    }
+    double acc[64];
+    scaled_product_column_sums(x + lo, dy + lo, rstd, rows, dim, hi - lo, acc);
     for (int64_t i = lo; i < hi; ++i) dw[i] += static_cast<float>(acc[i - lo]);
   });
 }
 
 void add_inplace(float* y, const float* x, int64_t n) {
-  for_chunks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) y[i] += x[i];
-  });
+  for_chunks(n, [&](int64_t lo, int64_t hi) { add_row(y + lo, x + lo, hi - lo); });
 }
 
 }  // namespace moe

@@ -242,6 +242,38 @@ double SumOfSquaresRow(const float* x, int64_t n) {
   return fold16(lanes);
 }
 
+void AddRow(float* y, const float* x, int64_t n) {
+  for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
+    store(hn::Add(load(y + i, k, tail), load(x + i, k, tail)), y + i, k, tail);
+  });
+}
+
+void ScaledProductColumnSums(const float* x, const float* dy, const float* rstd, int64_t rows,
+                             int64_t stride, int64_t n, double* sums) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  constexpr int64_t kLanes = static_cast<int64_t>(hn::MaxLanes(hn::ScalableTag<double>()));
+  constexpr int64_t kMaxVecs = 64 / kLanes;
+  const int64_t whole = n / kLanes;
+  hn::Vec<decltype(dd)> a[kMaxVecs];
+  for (int64_t q = 0; q < kMaxVecs; ++q) a[q] = hn::Zero(dd);
+  double tail[kLanes] = {};
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * stride;
+    const float* dyr = dy + r * stride;
+    const auto rs = hn::Set(dd, static_cast<double>(rstd[r]));
+    for (int64_t q = 0; q < whole; ++q) {
+      const auto p = hn::Mul(hn::PromoteTo(dd, hn::LoadU(df, dyr + q * kLanes)),
+                             hn::PromoteTo(dd, hn::LoadU(df, xr + q * kLanes)));
+      a[q] = hn::Add(a[q], hn::Mul(p, rs));
+    }
+    for (int64_t j = whole * kLanes; j < n; ++j)
+      tail[j - whole * kLanes] += static_cast<double>(dyr[j]) * xr[j] * static_cast<double>(rstd[r]);
+  }
+  for (int64_t q = 0; q < whole; ++q) hn::StoreU(a[q], dd, sums + q * kLanes);
+  for (int64_t j = whole * kLanes; j < n; ++j) sums[j] = tail[j - whole * kLanes];
+}
+
 void AdamWRow(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
   const D d;
   const V scale = hn::Set(d, p.grad_scale), decay = hn::Set(d, p.decay);
@@ -279,6 +311,14 @@ HWY_EXPORT(AdamWRow);
 HWY_EXPORT(SumOfSquaresRow);
 HWY_EXPORT(RmsnormRow);
 HWY_EXPORT(RmsnormBackwardRow);
+HWY_EXPORT(AddRow);
+HWY_EXPORT(ScaledProductColumnSums);
+
+void add_row(float* y, const float* x, int64_t n) { MOE_DISPATCH(AddRow)(y, x, n); }
+void scaled_product_column_sums(const float* x, const float* dy, const float* rstd, int64_t rows,
+                                int64_t stride, int64_t n, double* sums) {
+  MOE_DISPATCH(ScaledProductColumnSums)(x, dy, rstd, rows, stride, n, sums);
+}
 
 float rmsnorm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
   return MOE_DISPATCH(RmsnormRow)(x, w, y, n, eps);

@@ -41,6 +41,14 @@ struct AdamWRowParams {
 };
 void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p);
 
+// y[i] += x[i]
+void add_row(float* y, const float* x, int64_t n);
+// sums[j] = Σ_r double(dy[r·stride + j])·x[r·stride + j]·rstd[r] in double, r = 0..rows-1 in
+// order, for j < n ≤ 64: each column one chain from +0, as the scalar loop would compute it
+// (RMSNorm's weight gradient over a block of columns).
+void scaled_product_column_sums(const float* x, const float* dy, const float* rstd, int64_t rows,
+                                int64_t stride, int64_t n, double* sums);
+
 // Σ x[i]² in double: lane l of 16 adds x[l]², x[l + 16]², ... in order, then the lanes meet in a
 // fixed tree, so the bits are the same on every target.
 double sum_of_squares(const float* x, int64_t n);
