@@ -583,7 +583,9 @@ std::vector<float> nt_contract(const Mxfp4Matrix& w, int64_t m, const float* x, 
 TEST(Mxfp4Gemm, NtIsItsSpelledOutArithmeticOnEveryTarget) {
   Rng rng(29);
   for_each_simd_target([&](simd::Target) {
-    for (int64_t m : {1, 2, 3, 8, 9, 40})
+    // Every row count of the small-m tile table (kernels/mxfp4_gemm.cpp, with_nt_kernel), then
+    // the buffered and per-lane paths.
+    for (int64_t m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 40})
       for (int64_t cols : {32, 320, 1088, 2080})
         for (bool acc : {false, true}) {
           const PackedMatrix pm(13, cols, rng);
