@@ -799,9 +799,10 @@ auto with_nt_kernel(int64_t m, const Kernel& k) {
     // runs a group at a time, 3 × 3 giving 9 independent FMA chains (2 × 4 left the two FMA
     // pipes waiting on 4-cycle latencies: 0.56 vs 0.6 of peak). From 3 to 8 rows, fused tiles
     // of one W row against all (or half) of the x rows: each block is decoded once (twice) and
-    // feeds 6-10 FMAs from registers, where the buffered tile stores the decoded rows and pads
-    // m to a multiple of 3 (4 rows: 54 -> 99 GFLOP/s, 8 rows: 78 -> 95-100, one core, Zen 5,
-    // cold 704 x 1024 experts; 9 rows and more stay buffered, 12-31 rows measured 0.7-0.9x fused).
+    // feeds 4 FMAs per x row from registers, where the buffered tile stores the decoded rows
+    // and pads m to a multiple of 3 (4 rows: 54 -> 99 GFLOP/s, 8 rows: 78 -> 95-100, one core,
+    // Zen 5, cold 704 x 1024 experts; 9 rows and more stay buffered, 12-31 rows measured
+    // 0.7-0.9x fused).
     switch (m) {
       case 1: return k.template tile<1, 4, true>();
       case 2: return k.template tile<2, 2, true>();
@@ -1013,7 +1014,7 @@ auto with_nn_kernel(int64_t m, const Kernel& k) {
     }
   } else if constexpr (N == 8) {
     // 4 rows: the buffered 3-row tile would pad to 6; two fused passes of 2 rows measured
-    // 61 -> 72 GFLOP/s (one core, cold 704 x 1024 experts); fused 3- or 4-row tiles spill.
+    // 61 -> 72-76 GFLOP/s (one core, cold 704 x 1024 experts); fused 3- or 4-row tiles spill.
     switch (m) {
       case 1: return k.template tile<1, 2, true>();
       case 2:
