@@ -41,7 +41,8 @@
 //
 // * Scratch, per thread (kernels/kernel_scratch.h: kept between calls, counted as workspace),
 //   bounded independently of the matrix — larger operands are walked chunk by chunk:
-//     nt: the split-order x panel, at most kMc × kKc floats (512 KiB), plus on the buffered
+//     nt: the split-order x panel, kMc (kFusedRows on the fused path) rows of kKc floats,
+//         rounded up to whole tiles (at most 516 KiB), plus on the buffered
 //         path B decoded W rows of kKc floats (B = 6 on AVX-512: 24 KiB); the per-lane path
 //         (AVX2) holds 516 x rows (2 MiB), then two panels of 16 decoded W rows (this one and
 //         the next: 128 KiB) and a tile's partial lane sums, one per tree level (2 KiB);
@@ -485,9 +486,14 @@ HWY_INLINE TileRows tile_rows(int64_t rows, int64_t B, bool spread) {
   return {tiles, spread ? tiles : 1};
 }
 
+// x rows per panel: fused tiles serve calls of at most kFusedRows rows (with_nt_kernel), so their
+// panel is no larger (a decoding process then holds 32 KiB per thread, not 512 KiB).
+constexpr int64_t kFusedRows = 8;
+constexpr int64_t nt_panel_rows(bool fused) { return fused ? kFusedRows : kMc; }
+
 // Scratch of run_nt: the split-order x panel, and (buffered) the decoded W rows.
 constexpr ScratchFloats nt_scratch(int A, int B, bool fused) {
-  return {round_up(kMc, A) * kKc, fused ? 0 : B * kKc};
+  return {round_up(nt_panel_rows(fused), A) * kKc, fused ? 0 : B * kKc};
 }
 
 template <int A, int B, bool kFused>
@@ -504,8 +510,8 @@ void run_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float*
   for (int64_t c0 = 0; c0 < w.cols; c0 += kKc) {
     const int64_t cc = std::min(kKc, w.cols - c0);
     const bool first = c0 == 0 && !accumulate;
-    for (int64_t i0 = 0; i0 < m; i0 += kMc) {
-      const int64_t mi = std::min(kMc, m - i0);
+    for (int64_t i0 = 0; i0 < m; i0 += nt_panel_rows(kFused)) {
+      const int64_t mi = std::min(nt_panel_rows(kFused), m - i0);
       pack_x(x + i0 * ldx + c0, ldx, mi, cc, A, panel);
       for (int64_t t = 0; t < tr.tiles; ++t) {
         const int64_t nb = tr.count(t, B, w.rows);
@@ -620,7 +626,7 @@ HWY_INLINE void decode_lane_piece(const uint8_t* const* wp, const uint8_t* const
 #pragma GCC unroll 16
     for (int64_t i = 0; i < N; ++i) {
       hwy::Prefetch(ahead[r0 + i] + blk * 16);
-      if (blk % 64 == 0) hwy::Prefetch(ahead_scales[r0 + i] + blk);
+      if (blk == 0) hwy::Prefetch(ahead_scales[r0 + i]);  // a chunk's scales: 32 bytes per row
     }
   V e[kGroups][N], o[kGroups][N];
 #pragma GCC unroll 16
@@ -770,7 +776,7 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
 }
 
 // Tile shapes (A x rows × B W rows) by target width: 16 lanes means AVX-512's 32 registers
-// (A·B·kGroups accumulators plus operands must fit), 8 lanes AVX2's 16. Up to 8 rows (AVX-512)
+// (A·B·kGroups accumulators plus operands must fit), 8 lanes AVX2's 16. Up to kFusedRows rows,
 // fused tiles decode each W block once per tile of x rows; at one row the kernel is bound by its
 // decode, and 4 W rows per tile stream best (16 rows: 0.37 of DRAM read, 2–4 rows: 0.50–0.55;
 // bench_mxfp4_decode). Beyond that the buffered 4 × 6 tile (24 accumulators, 10 loads per 24

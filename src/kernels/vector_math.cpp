@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
 #include "core/simd.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -317,6 +318,7 @@ HWY_EXPORT(ScaledProductColumnSums);
 void add_row(float* y, const float* x, int64_t n) { MOE_DISPATCH(AddRow)(y, x, n); }
 void scaled_product_column_sums(const float* x, const float* dy, const float* rstd, int64_t rows,
                                 int64_t stride, int64_t n, double* sums) {
+  MOE_CHECK(n >= 0 && n <= 64, "internal: scaled_product_column_sums of {} columns (at most 64)", n);
   MOE_DISPATCH(ScaledProductColumnSums)(x, dy, rstd, rows, stride, n, sums);
 }
 

@@ -541,8 +541,9 @@ void Workspace::serial(int64_t M, int64_t N, int64_t K, bool nt) {
   on_any_thread(gemm_scratch_floats(M, N, K, nt, /*serial=*/true));
 }
 
-// An expert's calls have any number of rows up to m, and a smaller call may run a tile with a
-// larger x panel (3 rows: 66 of them on AVX-512): every count is asked.
+// An expert's calls have any number of rows up to m, and a smaller call may run a kernel with a
+// larger scratch than a larger call's (tile shapes round the x panel up to whole tiles): every
+// count is asked.
 void Workspace::mxfp4_nt(int64_t m) {
   for (int64_t r = 1; r <= m; ++r) on_any_thread(mxfp4_gemm_nt_scratch_floats(r));
 }
