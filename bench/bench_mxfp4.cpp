@@ -16,9 +16,8 @@
 #include <memory>
 #include <vector>
 
-#include "core/parallel.h"
+#include "bench_main.h"
 #include "core/rng.h"
-#include "kernels/fma_peak.h"
 #include "kernels/gemm.h"
 #include "kernels/mxfp4.h"
 #include "kernels/mxfp4_gemm.h"
@@ -90,8 +89,6 @@ ShapeData& data(int64_t shape) {
   return *d[shape];
 }
 
-double g_core_peak = 0;  // one thread's FMA peak, GFLOP/s
-
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -126,7 +123,7 @@ void run(benchmark::State& state, bool nt) {
   state.counters["GFLOPs"] = flops / t_mx * 1e-9;
   state.counters["fp32_GFLOPs"] = flops / t_fp * 1e-9;
   state.counters["ratio"] = t_fp / t_mx;
-  state.counters["of_core_peak"] = flops / t_mx * 1e-9 / g_core_peak;
+  state.counters["of_core_peak"] = flops / t_mx * 1e-9 / bench::fma_peak_gflops();
   state.counters["experts_mx"] = static_cast<double>(d.n_mx);
   state.counters["experts_fp32"] = static_cast<double>(d.n_fp);
 }
@@ -145,15 +142,5 @@ BENCHMARK(BM_NN)->Name("Mxfp4/NN")->Apply(shapes_and_ms);
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  // One thread for both sides: the kernels run on the calling thread.
-  set_num_threads(1);
-  const FmaPeak peak = measure_fma_peak(1);
-  g_core_peak = peak.gflops;
-  benchmark::AddCustomContext("fma_peak", describe(peak));
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+// One thread for both sides: the kernels run on the calling thread.
+int main(int argc, char** argv) { return moe::bench::run_benchmarks(argc, argv, 1); }

@@ -753,7 +753,7 @@ void run_nt_lanes(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, 
             if (more)
               for (credit += pieces; credit >= steps; credit -= steps)
                 decode_lane_piece<N>(wp, ws, cc, decoded++, next, prefetch ? ahead_wp : nullptr,
-                                     ahead_ws);
+                                     prefetch ? ahead_ws : nullptr);
           }
           const int64_t na = std::min<int64_t>(kLaneMr, mi - a0);
           for (int64_t a = 0; a < na; ++a)
