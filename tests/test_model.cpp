@@ -167,7 +167,7 @@ TEST(Model, SaveThenLoadIsBitwiseIdentical) {
 TEST(LMHeadLoss, ChunkedLossEqualsFullLogitsCrossEntropy) {
   Rng rng(9);
   LMHeadLoss head;
-  const int64_t vocab = 3000, dim = 24, T = 2 * LMHeadLoss::chunk_rows(vocab) + 5;
+  const int64_t vocab = 3000, dim = 24, T = 2 * LMHeadLoss::chunk_rows(vocab, dim) + 5;
   head.init("lm_head.weight", dim, vocab);
   fill_random(head.weight.value, rng, 0.3f);
   head.weight.allocate_grad();
@@ -200,7 +200,13 @@ TEST(LMHeadLoss, ChunkedLossEqualsFullLogitsCrossEntropy) {
     return e.total();
   };
   EXPECT_LT(finite_difference_check(loss, h.f32(), dh.f32(), h.numel(), 1e-2f, 48, 1e-4), 2e-2);
-  EXPECT_GT(LMHeadLoss::bytes_saved(4096, 129280, true), int64_t{3} << 30);
+  // Chunks are as tall as memory allows (1,024 rows), within 16 MiB of logits or a quarter of
+  // the head's weight: DeepSeek-V3's head (vocab 129,280, dim 7,168) keeps 1,024 of 4,096
+  // tokens' logits and their gradient, V2-Lite's (102,400 x 2,048) 512 rows.
+  EXPECT_EQ(LMHeadLoss::chunk_rows(129280, 7168), 1024);
+  EXPECT_EQ(LMHeadLoss::bytes_saved(4096, 129280, 7168, true), int64_t{3072} * 129280 * 4 * 2);
+  EXPECT_EQ(LMHeadLoss::chunk_rows(102400, 2048), 512);
+  EXPECT_EQ(LMHeadLoss::chunk_rows(1 << 20, 64), 16);
 }
 
 TEST(Cli, LogitsCommandWritesTheModelsLogits) {

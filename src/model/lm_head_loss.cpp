@@ -17,12 +17,16 @@ void LMHeadLoss::init(const std::string& name, int64_t d, int64_t v) {
   weight.init(name, {vocab, dim}, /*decay=*/true);
 }
 
-int64_t LMHeadLoss::chunk_rows(int64_t v) {
-  return std::clamp<int64_t>((int64_t{1} << 20) / std::max<int64_t>(v, 1), 16, 1024);
+int64_t LMHeadLoss::chunk_rows(int64_t v, int64_t d) {
+  // Every chunk packs the head's weight again (twice in training), a cost the chunk's rows
+  // share, so the chunk is as tall as its memory allows: its logits may take 16 MiB or a
+  // quarter of the head's own weight bytes, whichever is more.
+  const int64_t budget_floats = std::max<int64_t>(int64_t{1} << 22, v * d / 4);
+  return std::clamp<int64_t>(budget_floats / std::max<int64_t>(v, 1), 16, 1024);
 }
 
-int64_t LMHeadLoss::bytes_saved(int64_t tokens, int64_t v, bool training) {
-  const int64_t full = tokens * v * 4, chunk = std::min(tokens, chunk_rows(v)) * v * 4;
+int64_t LMHeadLoss::bytes_saved(int64_t tokens, int64_t v, int64_t d, bool training) {
+  const int64_t full = tokens * v * 4, chunk = std::min(tokens, chunk_rows(v, d)) * v * 4;
   return (full - chunk) * (training ? 2 : 1);
 }
 
@@ -56,7 +60,7 @@ LossResult LMHeadLoss::forward(const Tensor& h, const Tensor& targets, Pass pass
     return result;
   }
   const double inv_count = 1.0 / static_cast<double>(counted);
-  const int64_t rows = chunk_rows(vocab);
+  const int64_t rows = chunk_rows(vocab, dim);
   Tensor chunk = Tensor::empty({std::min(rows, T), vocab}, DType::F32, MemCategory::Scratch);
   std::vector<double> nll(static_cast<size_t>(T)), lse(static_cast<size_t>(T));
   for (int64_t c0 = 0; c0 < T; c0 += rows) {

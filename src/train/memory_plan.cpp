@@ -481,11 +481,11 @@ MemoryPlan plan_training_memory(const TrainConfig& cfg, const ModelConfig& mc, i
                        "traces, compressor pooling) and transients (logits chunk {} x {}, "
                        "positions)",
                        ledger.peak_phase(MemCategory::Scratch),
-                       std::min(LMHeadLoss::chunk_rows(d.V), d.T), d.V)
+                       std::min(LMHeadLoss::chunk_rows(d.V, d.D), d.T), d.V)
          : fmt::format("{}: attention positions of every layer + the transient buffer of that "
                        "moment (logits chunk {} x {} or attention slabs)",
                        ledger.peak_phase(MemCategory::Scratch),
-                       std::min(LMHeadLoss::chunk_rows(d.V), d.T), d.V));
+                       std::min(LMHeadLoss::chunk_rows(d.V, d.D), d.T), d.V));
   why(MemCategory::Workspace,
       fmt::format("matmul packing buffers: {} threads, {} kernels (main thread {})", d.threads,
                   plan.simd, format_bytes(ws.main_bytes())));

@@ -257,7 +257,7 @@ Buf ReplayParts::moe_backward(const LayerShape& L, MoeSaved& s) {
 Buf ReplayParts::lm_head_loss() {
   const int64_t T = d_.T, D = d_.D;
   Buf dh = act(T * D);
-  const int64_t rows = std::min(LMHeadLoss::chunk_rows(d_.V), T);
+  const int64_t rows = std::min(LMHeadLoss::chunk_rows(d_.V, D), T);
   Buf chunk = f32(MemCategory::Scratch, rows * d_.V);
   ws_.top(rows, d_.V, D);
   ws_.top(rows, D, d_.V);
