@@ -111,6 +111,20 @@ TEST(VectorMath, SumOfSquaresIsTheSixteenLaneSum) {
   EXPECT_EQ(sum_of_squares(big, 2), 2.0 * f * f);
 }
 
+TEST(VectorMath, DotProductIsTheSixteenLaneSum) {
+  Rng rng(10);
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{256}, int64_t{100003}}) {
+    Tensor a = random_tensor({std::max<int64_t>(n, 1)}, rng, 3.0f);
+    Tensor b = random_tensor({std::max<int64_t>(n, 1)}, rng, 3.0f);
+    double lanes[16] = {};
+    for (int64_t i = 0; i < n; ++i) lanes[i % 16] += static_cast<double>(a.f32()[i]) * b.f32()[i];
+    for (int w = 8; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+    EXPECT_EQ(dot_product(a.f32(), b.f32(), n), lanes[0]) << "n = " << n;
+    EXPECT_EQ(dot_product(a.f32(), a.f32(), n), sum_of_squares(a.f32(), n)) << "n = " << n;
+  }
+}
+
 TEST(VectorMath, AddRowAndColumnSumsAreTheScalarLoopsOnEveryTarget) {
   // RMSNorm's weight gradient and the residual adds: the vector kernels must keep the scalar
   // loops' bits (one double chain per column from +0, rows in order).
@@ -172,10 +186,11 @@ TEST(VectorMath, EveryKernelGivesTheSameBitsOnEveryTarget) {
       std::vector<float> w(x.f32(), x.f32() + len), m(len, 0.1f), vv(len, 0.2f);
       adamw_row(w.data(), u.f32(), m.data(), vv.data(), len, {0.5f, 0.999f, 0.9f, 0.95f, 0.1f, 0.05f, 1e-3f, 0.7f, 1e-8f});
       for (auto* v : {&w, &m, &vv}) out.insert(out.end(), v->begin(), v->end());
-      const double sq = sum_of_squares(x.f32(), len);
-      float halves[2];
-      std::memcpy(halves, &sq, sizeof sq);
-      out.insert(out.end(), halves, halves + 2);
+      for (const double sum : {sum_of_squares(x.f32(), len), dot_product(x.f32(), u.f32(), len)}) {
+        float halves[2];
+        std::memcpy(halves, &sum, sizeof sum);
+        out.insert(out.end(), halves, halves + 2);
+      }
     }
     return out;
   };

@@ -223,7 +223,9 @@ void RmsnormBackwardRow(const float* x, const float* w, float rs, const float* d
 
 // Σ x² in double, in 16 virtual lanes as sum16 (each square is exact in double; the lanes'
 // sums round).
-double SumOfSquaresRow(const float* x, int64_t n) {
+// Σ double(a[i])·b[i] in 16 double lanes (lane l adds i = l, l + 16, ... in order; each product
+// of two floats is exact in double), the lanes added by fold16's tree.
+HWY_INLINE double dot16(const float* a, const float* b, int64_t n) {
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> df;
   constexpr int64_t kLanes = static_cast<int64_t>(hn::MaxLanes(hn::ScalableTag<double>()));
@@ -234,14 +236,18 @@ double SumOfSquaresRow(const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     for (int64_t q = 0; q < kParts; ++q) {
-      const auto v = hn::PromoteTo(dd, hn::LoadU(df, x + i + q * kLanes));
-      acc[q] = hn::Add(acc[q], hn::Mul(v, v));
+      const auto va = hn::PromoteTo(dd, hn::LoadU(df, a + i + q * kLanes));
+      const auto vb = hn::PromoteTo(dd, hn::LoadU(df, b + i + q * kLanes));
+      acc[q] = hn::Add(acc[q], hn::Mul(va, vb));
     }
   alignas(64) double lanes[16];
   for (int64_t q = 0; q < kParts; ++q) hn::Store(acc[q], dd, lanes + q * kLanes);
-  for (int64_t j = i; j < n; ++j) lanes[j - i] += static_cast<double>(x[j]) * x[j];
+  for (int64_t j = i; j < n; ++j) lanes[j - i] += static_cast<double>(a[j]) * b[j];
   return fold16(lanes);
 }
+
+double SumOfSquaresRow(const float* x, int64_t n) { return dot16(x, x, n); }
+double DotProductRow(const float* a, const float* b, int64_t n) { return dot16(a, b, n); }
 
 void AddRow(float* y, const float* x, int64_t n) {
   for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
@@ -310,6 +316,7 @@ HWY_EXPORT(ClampedSwigluRow);
 HWY_EXPORT(ClampedSwigluBackwardRow);
 HWY_EXPORT(AdamWRow);
 HWY_EXPORT(SumOfSquaresRow);
+HWY_EXPORT(DotProductRow);
 HWY_EXPORT(RmsnormRow);
 HWY_EXPORT(RmsnormBackwardRow);
 HWY_EXPORT(AddRow);
@@ -335,6 +342,9 @@ void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const Ad
 }
 
 double sum_of_squares(const float* x, int64_t n) { return MOE_DISPATCH(SumOfSquaresRow)(x, n); }
+double dot_product(const float* a, const float* b, int64_t n) {
+  return MOE_DISPATCH(DotProductRow)(a, b, n);
+}
 
 float row_max(const float* x, int64_t n) { return MOE_DISPATCH(RowMax)(x, n); }
 double exp_shift_sum(float* x, int64_t n, float shift) {

@@ -52,6 +52,8 @@ void scaled_product_column_sums(const float* x, const float* dy, const float* rs
 // Σ x[i]² in double: lane l of 16 adds x[l]², x[l + 16]², ... in order, then the lanes meet in a
 // fixed tree, so the bits are the same on every target.
 double sum_of_squares(const float* x, int64_t n);
+// Σ a[i]·b[i] in double, with the same lanes and tree.
+double dot_product(const float* a, const float* b, int64_t n);
 
 // Numerically stable softmax of a row in place; returns log-sum-exp of the input.
 double softmax_inplace(float* x, int64_t n);

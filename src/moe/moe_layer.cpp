@@ -277,9 +277,7 @@ Tensor MoELayer::backward(const Tensor& dy, const Tensor& x_in, float aux_grad_s
       float* u = up + r * H;
       float* dh = dhp + r * H;
       swiglu_row(g, u, h, H, swiglu_limit_);
-      double dot = 0;
-      for (int64_t i = 0; i < H; ++i) dot += static_cast<double>(dh[i]) * h[i];
-      dw[r] = static_cast<float>(dot);
+      dw[r] = static_cast<float>(dot_product(dh, h, H));
       for (int64_t i = 0; i < H; ++i) dh[i] *= rw[r];
       swiglu_backward_row(g, u, dh, g, u, H, swiglu_limit_);
       for (int64_t i = 0; i < H; ++i) dh[i] = h[i] * rw[r];
