@@ -276,8 +276,8 @@ void DeepSeekModel::allocate_grads() {
 }
 
 void DeepSeekModel::zero_grads() {
-  for (Param* p : params_) p->zero_grad();
-  for (Param* p : lora_params_) p->zero_grad();
+  moe::zero_grads(params_);
+  moe::zero_grads(lora_params_);
 }
 
 std::vector<MoELayer*> DeepSeekModel::moe_layers() const {

@@ -1,6 +1,11 @@
 #include "model/param.h"
 
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
 #include "core/error.h"
+#include "core/parallel.h"
 #include "kernels/mxfp4.h"
 
 namespace moe {
@@ -27,6 +32,25 @@ const Param& mxfp4_scales_after(const ParamList& params, size_t data_index) {
                 params[data_index + 1]->format == ParamFormat::Mxfp4Scales,
             "internal: MXFP4 weight '{}' is not followed by its scales", data->name);
   return *params[data_index + 1];
+}
+
+void zero_grads(const ParamList& params) {
+  constexpr int64_t kChunk = int64_t{1} << 18;  // floats per work item (1 MiB)
+  struct Piece {
+    float* at;
+    int64_t n;
+  };
+  std::vector<Piece> pieces;
+  for (const Param* p : params) {
+    if (!p->grad.defined()) continue;
+    float* g = p->g();
+    const int64_t n = p->grad.numel();
+    for (int64_t i = 0; i < n; i += kChunk) pieces.push_back({g + i, std::min(kChunk, n - i)});
+  }
+  parallel_for(0, static_cast<int64_t>(pieces.size()), [&](int64_t i) {
+    const Piece& q = pieces[static_cast<size_t>(i)];
+    std::memset(q.at, 0, sizeof(float) * static_cast<size_t>(q.n));
+  });
 }
 
 }  // namespace moe

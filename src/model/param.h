@@ -47,6 +47,10 @@ struct Param {
 
 using ParamList = std::vector<Param*>;
 
+// Zeroes the gradients of `params` (those that have one), spread over the threads: a step's
+// gradients are as large as the model, too much for one thread's memset.
+void zero_grads(const ParamList& params);
+
 // Fills one MXFP4 pair (`data`, `scales`: the two Params of a matrix [out, in]) row by row:
 // `row(r, values)` writes row r's `in` fp32 values, which are quantized straight into the pair.
 // Streaming one row at a time is what keeps initialising or loading packed experts free of any

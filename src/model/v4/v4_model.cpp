@@ -335,8 +335,8 @@ void DeepSeekV4Model::allocate_grads() {
 }
 
 void DeepSeekV4Model::zero_grads() {
-  for (Param* p : params_) p->zero_grad();
-  for (Param* p : lora_params_) p->zero_grad();
+  moe::zero_grads(params_);
+  moe::zero_grads(lora_params_);
 }
 
 Tensor DeepSeekV4Model::streams(const Tensor& tokens, const BatchShape& shape, Pass pass) {
