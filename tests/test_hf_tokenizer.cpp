@@ -358,6 +358,28 @@ TEST(HfTokenizer, ErrorsNameTheFileAndField) {
   EXPECT_NE(e.find("no end-of-text token"), std::string::npos) << e;
   e = error_for([](json& j) { j["decoder"] = {{"type", "Metaspace"}}; });
   EXPECT_NE(e.find("decoder.type"), std::string::npos) << e;
+  // An added token per id and per text: two texts at one id (or two ids for one text) would
+  // encode to one and decode to the other.
+  ASSERT_GE(good["added_tokens"].size(), 1u);
+  const json first = good["added_tokens"][0];
+  e = error_for([&](json& j) {
+    json twin = first;
+    twin["content"] = "<|twin|>";
+    j["added_tokens"].push_back(twin);
+  });
+  EXPECT_NE(e.find(fmt::format("added_tokens[{}].id: expected an id of its own (id {} is already",
+                               good["added_tokens"].size(), first["id"].get<int>())),
+            std::string::npos) << e;
+  e = error_for([&](json& j) {
+    json twin = first;
+    twin["id"] = 100000;
+    j["added_tokens"].push_back(twin);
+  });
+  EXPECT_NE(e.find(fmt::format("added_tokens[{}].content: expected a text of its own",
+                               good["added_tokens"].size())),
+            std::string::npos) << e;
+  e = error_for([&](json& j) { j["added_tokens"].push_back(first); });  // listed twice: fine
+  EXPECT_EQ(e, "(no error)") << e;
   std::ofstream(dir / "tokenizer_config.json") << R"({"eos_token": "<nosuch>"})";
   e = error_for([](json&) {});
   EXPECT_NE(e.find("tokenizer_config.json: eos_token"), std::string::npos) << e;

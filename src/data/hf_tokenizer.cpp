@@ -964,6 +964,23 @@ HfTokenizer HfTokenizer::from_parsed(const json& j, const std::string& source, c
                     r.flag(t, "normalized", field, true), r.flag(t, "special", field, false)};
       if (a.content.empty()) r.bad(field + ".content", "a non-empty string", t);
       if (!valid_utf8(a.content)) r.bad(field + ".content", "UTF-8 text", t);
+      // One id, one text: a second text at an id (or a second id for a text) would make
+      // encoding and decoding disagree. Hugging Face gives such a token a new id with a
+      // warning; a file that relies on that is rejected here, naming both entries.
+      const auto same_id = impl->added_by_id.find(a.id);
+      const auto same_text = impl->added_by_content.find(a.content);
+      if (same_id != impl->added_by_id.end() || same_text != impl->added_by_content.end()) {
+        const bool repeat = same_id != impl->added_by_id.end() &&
+                            impl->added[same_id->second].content == a.content;
+        if (repeat) continue;  // the same token listed twice
+        if (same_id != impl->added_by_id.end())
+          r.bad(field + ".id", fmt::format("an id of its own (id {} is already the added token {})",
+                                           a.id, json(impl->added[same_id->second].content).dump()),
+                id);
+        r.bad(field + ".content", fmt::format("a text of its own (it is already the added token "
+                                              "of id {})", same_text->second),
+              t.at("content"));
+      }
       max_id = std::max<int64_t>(max_id, a.id);
       impl->added_by_id[a.id] = impl->added.size();
       impl->added_by_content[a.content] = a.id;
