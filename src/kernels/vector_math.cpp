@@ -221,10 +221,8 @@ void RmsnormBackwardRow(const float* x, const float* w, float rs, const float* d
   });
 }
 
-// Σ x² in double, in 16 virtual lanes as sum16 (each square is exact in double; the lanes'
-// sums round).
-// Σ double(a[i])·b[i] in 16 double lanes (lane l adds i = l, l + 16, ... in order; each product
-// of two floats is exact in double), the lanes added by fold16's tree.
+// Σ double(a[i])·b[i] in 16 double lanes as sum16 (lane l adds i = l, l + 16, ... in order; each
+// product of two floats is exact in double, the lanes' sums round), then fold16's tree.
 HWY_INLINE double dot16(const float* a, const float* b, int64_t n) {
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> df;
