@@ -380,6 +380,14 @@ TEST(HfTokenizer, ErrorsNameTheFileAndField) {
             std::string::npos) << e;
   e = error_for([&](json& j) { j["added_tokens"].push_back(first); });  // listed twice: fine
   EXPECT_EQ(e, "(no error)") << e;
+  e = error_for([&](json& j) {
+    json twin = first;
+    twin["special"] = !first["special"].get<bool>();
+    j["added_tokens"].push_back(twin);
+  });
+  EXPECT_NE(e.find(fmt::format("added_tokens[{}]: expected the same flags as the earlier entry",
+                               good["added_tokens"].size())),
+            std::string::npos) << e;
   std::ofstream(dir / "tokenizer_config.json") << R"({"eos_token": "<nosuch>"})";
   e = error_for([](json&) {});
   EXPECT_NE(e.find("tokenizer_config.json: eos_token"), std::string::npos) << e;

@@ -11,6 +11,7 @@
 #include <shared_mutex>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 #include <unordered_map>
 #include <cctype>
 
@@ -965,14 +966,21 @@ HfTokenizer HfTokenizer::from_parsed(const json& j, const std::string& source, c
       if (a.content.empty()) r.bad(field + ".content", "a non-empty string", t);
       if (!valid_utf8(a.content)) r.bad(field + ".content", "UTF-8 text", t);
       // One id, one text: a second text at an id (or a second id for a text) would make
-      // encoding and decoding disagree. Hugging Face gives such a token a new id with a
-      // warning; a file that relies on that is rejected here, naming both entries.
+      // encoding and decoding disagree, and Hugging Face resolves such a file by rules of its
+      // own (with a warning), so it is rejected here, naming both entries. The same token
+      // listed twice, flags and all, is taken once.
       const auto same_id = impl->added_by_id.find(a.id);
       const auto same_text = impl->added_by_content.find(a.content);
       if (same_id != impl->added_by_id.end() || same_text != impl->added_by_content.end()) {
-        const bool repeat = same_id != impl->added_by_id.end() &&
-                            impl->added[same_id->second].content == a.content;
-        if (repeat) continue;  // the same token listed twice
+        if (same_id != impl->added_by_id.end()) {
+          const Impl::Added& b = impl->added[same_id->second];
+          if (b.content == a.content) {
+            if (std::tie(a.single_word, a.lstrip, a.rstrip, a.normalized, a.special) ==
+                std::tie(b.single_word, b.lstrip, b.rstrip, b.normalized, b.special))
+              continue;
+            r.bad(field, "the same flags as the earlier entry of this token", t);
+          }
+        }
         if (same_id != impl->added_by_id.end())
           r.bad(field + ".id", fmt::format("an id of its own (id {} is already the added token {})",
                                            a.id, json(impl->added[same_id->second].content).dump()),

@@ -107,9 +107,10 @@ constexpr int kMr = kN == 16 ? 12 : 6;
 constexpr int kNv = 2;
 constexpr int64_t kNr = kNv * kN;
 // Contraction blocks of at most kKc (K split evenly, in multiples of 16, so no block is a short
-// remainder); B block width (a kKc × kNc block of B is reused from L2 by every row panel of a
-// kMc-row block, whose C block stays in L2 over all of K); packed B of one column block is at
-// most max_packed_b floats (kGemmPackedBFloats*, in L3), narrower for a long K.
+// remainder); B block width (a kKc × kNc block of B, 2 MiB on AVX-512, is reused from L2 or L3
+// by every row panel of a kMc-row block, whose C block stays in L2 over all of K); packed B of
+// one column block is at most max_packed_b floats (kGemmPackedBFloats*, in L3), narrower for a
+// long K.
 // AVX-512: 512 (the 2048³ products 1-5% faster than 320 on a Zen 5, in medians of 6 runs);
 // AVX2: 320 (512 was no faster).
 constexpr int64_t kKc = kN == 16 ? 512 : 320;
