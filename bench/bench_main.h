@@ -1,9 +1,8 @@
 #pragma once
 // The main() of the Google Benchmark programs: the engine's thread count from
 // MOE_BENCH_THREADS (default 2, the CI machine's cores; a program may fix it instead) and the
-// SIMD target from MOE_SIMD, the
-// fp32 FMA peak of those measured once at the start (the denominator of every "of_fma_peak"
-// counter), then the benchmarks.
+// SIMD target from MOE_SIMD, the fp32 FMA peak of those measured once at the start (the
+// denominator of every "of_fma_peak" counter), then the benchmarks.
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>

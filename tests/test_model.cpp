@@ -207,6 +207,7 @@ TEST(LMHeadLoss, ChunkedLossEqualsFullLogitsCrossEntropy) {
   EXPECT_EQ(LMHeadLoss::bytes_saved(4096, 129280, 7168, true), int64_t{3072} * 129280 * 4 * 2);
   EXPECT_EQ(LMHeadLoss::chunk_rows(102400, 2048), 512);
   EXPECT_EQ(LMHeadLoss::chunk_rows(1 << 20, 64), 16);
+  EXPECT_EQ(LMHeadLoss::chunk_rows(4096, 320), 1024);  // `small`: the 16 MiB floor
 }
 
 TEST(Cli, LogitsCommandWritesTheModelsLogits) {

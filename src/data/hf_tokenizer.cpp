@@ -969,26 +969,22 @@ HfTokenizer HfTokenizer::from_parsed(const json& j, const std::string& source, c
       // encoding and decoding disagree, and Hugging Face resolves such a file by rules of its
       // own (with a warning), so it is rejected here, naming both entries. The same token
       // listed twice, flags and all, is taken once.
-      const auto same_id = impl->added_by_id.find(a.id);
-      const auto same_text = impl->added_by_content.find(a.content);
-      if (same_id != impl->added_by_id.end() || same_text != impl->added_by_content.end()) {
-        if (same_id != impl->added_by_id.end()) {
-          const Impl::Added& b = impl->added[same_id->second];
-          if (b.content == a.content) {
-            if (std::tie(a.single_word, a.lstrip, a.rstrip, a.normalized, a.special) ==
-                std::tie(b.single_word, b.lstrip, b.rstrip, b.normalized, b.special))
-              continue;
-            r.bad(field, "the same flags as the earlier entry of this token", t);
-          }
-        }
-        if (same_id != impl->added_by_id.end())
+      if (const auto same_id = impl->added_by_id.find(a.id); same_id != impl->added_by_id.end()) {
+        const Impl::Added& b = impl->added[same_id->second];
+        if (b.content != a.content)
           r.bad(field + ".id", fmt::format("an id of its own (id {} is already the added token {})",
-                                           a.id, json(impl->added[same_id->second].content).dump()),
+                                           a.id, json(b.content).dump()),
                 id);
+        if (std::tie(a.single_word, a.lstrip, a.rstrip, a.normalized, a.special) !=
+            std::tie(b.single_word, b.lstrip, b.rstrip, b.normalized, b.special))
+          r.bad(field, "the same flags as the earlier entry of this token", t);
+        continue;
+      }
+      if (const auto same_text = impl->added_by_content.find(a.content);
+          same_text != impl->added_by_content.end())
         r.bad(field + ".content", fmt::format("a text of its own (it is already the added token "
                                               "of id {})", same_text->second),
               t.at("content"));
-      }
       max_id = std::max<int64_t>(max_id, a.id);
       impl->added_by_id[a.id] = impl->added.size();
       impl->added_by_content[a.content] = a.id;
