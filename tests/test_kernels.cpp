@@ -124,6 +124,24 @@ TEST(VectorMath, DotProductIsTheSixteenLaneSum) {
   }
 }
 
+TEST(VectorMath, SoftmaxBackwardRowIsTheDotThenTheLaneWiseFormula) {
+  // Attention's softmax backward: d = float(dot_product(p, dp)), then each element rounded as
+  // scale · (p · (dp − d)); the rows past n stay untouched.
+  Rng rng(13);
+  for_each_simd_target([&](simd::Target t) {
+    for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{256}, int64_t{1001}}) {
+      Tensor p = random_tensor({n + 3}, rng, 1.0f), dp = random_tensor({n + 3}, rng, 2.0f);
+      std::vector<float> got(p.f32(), p.f32() + n + 3);
+      softmax_backward_row(got.data(), dp.f32(), n, 0.3f);
+      const float d = static_cast<float>(dot_product(p.f32(), dp.f32(), n));
+      for (int64_t j = 0; j < n + 3; ++j) {
+        const float want = j < n ? 0.3f * (p.f32()[j] * (dp.f32()[j] - d)) : p.f32()[j];
+        ASSERT_EQ(got[j], want) << simd::name(t) << " n=" << n << " j=" << j;
+      }
+    }
+  });
+}
+
 TEST(VectorMath, AddRowAndColumnSumsAreTheScalarLoopsOnEveryTarget) {
   // RMSNorm's weight gradient and the residual adds: the vector kernels must keep the scalar
   // loops' bits (one double chain per column from +0, rows in order).
@@ -185,6 +203,9 @@ TEST(VectorMath, EveryKernelGivesTheSameBitsOnEveryTarget) {
       std::vector<float> w(x.f32(), x.f32() + len), m(len, 0.1f), vv(len, 0.2f);
       adamw_row(w.data(), u.f32(), m.data(), vv.data(), len, {0.5f, 0.999f, 0.9f, 0.95f, 0.1f, 0.05f, 1e-3f, 0.7f, 1e-8f});
       for (auto* v : {&w, &m, &vv}) out.insert(out.end(), v->begin(), v->end());
+      std::vector<float> sb(u.f32(), u.f32() + len);
+      softmax_backward_row(sb.data(), dh.f32(), len, 0.3f);
+      out.insert(out.end(), sb.begin(), sb.end());
       for (const double sum : {sum_of_squares(x.f32(), len), dot_product(x.f32(), u.f32(), len)}) {
         float halves[2];
         std::memcpy(halves, &sum, sizeof sum);

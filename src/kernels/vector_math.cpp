@@ -247,6 +247,15 @@ HWY_INLINE double dot16(const float* a, const float* b, int64_t n) {
 double SumOfSquaresRow(const float* x, int64_t n) { return dot16(x, x, n); }
 double DotProductRow(const float* a, const float* b, int64_t n) { return dot16(a, b, n); }
 
+void SoftmaxBackwardRow(float* p, const float* dp, int64_t n, float scale) {
+  const D d;
+  const V rowdot = hn::Set(d, static_cast<float>(dot16(p, dp, n))), sv = hn::Set(d, scale);
+  for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
+    const V pv = load(p + i, k, tail);
+    store(hn::Mul(sv, hn::Mul(pv, hn::Sub(load(dp + i, k, tail), rowdot))), p + i, k, tail);
+  });
+}
+
 void AddRow(float* y, const float* x, int64_t n) {
   for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
     store(hn::Add(load(y + i, k, tail), load(x + i, k, tail)), y + i, k, tail);
@@ -315,6 +324,7 @@ HWY_EXPORT(ClampedSwigluBackwardRow);
 HWY_EXPORT(AdamWRow);
 HWY_EXPORT(SumOfSquaresRow);
 HWY_EXPORT(DotProductRow);
+HWY_EXPORT(SoftmaxBackwardRow);
 HWY_EXPORT(RmsnormRow);
 HWY_EXPORT(RmsnormBackwardRow);
 HWY_EXPORT(AddRow);
@@ -342,6 +352,9 @@ void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const Ad
 double sum_of_squares(const float* x, int64_t n) { return MOE_DISPATCH(SumOfSquaresRow)(x, n); }
 double dot_product(const float* a, const float* b, int64_t n) {
   return MOE_DISPATCH(DotProductRow)(a, b, n);
+}
+void softmax_backward_row(float* p, const float* dp, int64_t n, float scale) {
+  MOE_DISPATCH(SoftmaxBackwardRow)(p, dp, n, scale);
 }
 
 float row_max(const float* x, int64_t n) { return MOE_DISPATCH(RowMax)(x, n); }
