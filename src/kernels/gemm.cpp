@@ -363,23 +363,37 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
       pack_b(p, kb * kcb, std::min(kcb, p.K - kb * kcb), b.jc, b.nc, g * kPackGroup,
              std::min(panels, (g + 1) * kPackGroup), bbuf + kb * block_floats);
     };
-    int64_t col_parts = 1;
-    while (threads > 1 && row_blocks * col_parts < 4 * threads && col_parts < panels) ++col_parts;
-    const int64_t part = ceil_div(panels, col_parts) * kNr;
-    col_parts = ceil_div(b.nc, part);
+    // Tasks are taken in order: the row blocks whole (or in column parts when rows alone give
+    // too few tasks), then the last 2·threads row blocks cut in column parts of about 4 panels,
+    // so the loop does not end waiting on one thread's whole row block (hundreds of µs at the
+    // LM head's width).
+    auto parts_of = [&](int64_t n) {
+      const int64_t width = ceil_div(panels, n) * kNr;
+      return std::pair{ceil_div(b.nc, width), width};
+    };
+    int64_t want = 1;
+    while (threads > 1 && row_blocks * want < 4 * threads && want < panels) ++want;
+    const auto [col_parts, part] = parts_of(want);
+    const int64_t tail_rows = threads > 1 ? std::min(row_blocks, 2 * int64_t{threads}) : 0;
+    const auto [tail_parts, tail_part] = parts_of(std::max(col_parts, ceil_div(panels, 4)));
+    const int64_t head_tasks = (row_blocks - tail_rows) * col_parts;
     auto task = [&](int64_t t) {
-      const int64_t r = t / col_parts, c = t % col_parts;
-      compute_block(p, b, kcb, r * kMc, std::min(p.M, (r + 1) * kMc), b.jc + c * part,
-                    std::min(b.jc + b.nc, b.jc + (c + 1) * part),
+      const bool tail = t >= head_tasks;
+      const int64_t n = tail ? tail_parts : col_parts, width = tail ? tail_part : part;
+      const int64_t r = tail ? row_blocks - tail_rows + (t - head_tasks) / n : t / n;
+      const int64_t c = (tail ? t - head_tasks : t) % n;
+      compute_block(p, b, kcb, r * kMc, std::min(p.M, (r + 1) * kMc), b.jc + c * width,
+                    std::min(b.jc + b.nc, b.jc + (c + 1) * width),
                     kernel_scratch(1, kAPanelsFloats));
     };
+    const int64_t tasks = head_tasks + tail_rows * tail_parts;
     const int64_t pack_items = k_blocks * groups;
     if (threads > 1) {
       parallel_for(0, pack_items, pack_item);
-      parallel_for_dynamic(0, row_blocks * col_parts, task);
+      parallel_for_dynamic(0, tasks, task);
     } else {
       for (int64_t item = 0; item < pack_items; ++item) pack_item(item);
-      for (int64_t t = 0; t < row_blocks * col_parts; ++t) task(t);
+      for (int64_t t = 0; t < tasks; ++t) task(t);
     }
   }
 }
