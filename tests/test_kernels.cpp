@@ -126,7 +126,7 @@ TEST(VectorMath, DotProductIsTheSixteenLaneSum) {
 
 TEST(VectorMath, SoftmaxBackwardRowIsTheDotThenTheLaneWiseFormula) {
   // Attention's softmax backward: d = float(dot_product(p, dp)), then each element rounded as
-  // scale · (p · (dp − d)); the rows past n stay untouched.
+  // scale · (p · (dp − d)); the elements past n stay untouched.
   Rng rng(13);
   for_each_simd_target([&](simd::Target t) {
     for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{256}, int64_t{1001}}) {

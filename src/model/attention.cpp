@@ -466,7 +466,8 @@ Tensor MLAttention::backward(const Tensor& dy, const Tensor& x_in) {
         gemm_nt_serial(M, N, dv, dO, ldo, v, ldkv, dP, S, /*accumulate=*/false);
         // Softmax backward, dS = P ⊙ (dP − rowsum(dP ⊙ P)), times the score scale; written
         // over P. Masked entries stay 0 because P is 0 there.
-        for (int64_t i = 0; i < M; ++i) softmax_backward_row(P + i * S, dP + i * S, r0 + i + 1, scale);
+        for (int64_t i = 0; i < M; ++i)
+          softmax_backward_row(P + i * S, dP + i * S, r0 + i + 1, scale);
         // dQ = dS·K for this block's rows; dK_nope[0:N] += dSᵀ·Q_nope, dK_pe[0:N] += dSᵀ·Q_pe.
         gemm_nn_serial(M, dn, N, P, S, k_nope, ldkv, dqrows, ldq, false);
         gemm_nn_serial(M, dr, N, P, S, k_rot, dr, dqrows + dn, ldq, false);
