@@ -126,14 +126,15 @@ TEST(VectorMath, DotProductIsTheSixteenLaneSum) {
 
 TEST(VectorMath, SoftmaxBackwardRowIsTheDotThenTheLaneWiseFormula) {
   // Attention's softmax backward: d = float(dot_product(p, dp)), then each element rounded as
-  // scale · (p · (dp − d)); the elements past n stay untouched.
+  // scale · (p · (dp − d)); the elements past n stay untouched; the dot product is returned.
   Rng rng(13);
   for_each_simd_target([&](simd::Target t) {
     for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{256}, int64_t{1001}}) {
       Tensor p = random_tensor({n + 3}, rng, 1.0f), dp = random_tensor({n + 3}, rng, 2.0f);
       std::vector<float> got(p.f32(), p.f32() + n + 3);
-      softmax_backward_row(got.data(), dp.f32(), n, 0.3f);
-      const float d = static_cast<float>(dot_product(p.f32(), dp.f32(), n));
+      const double dot = softmax_backward_row(got.data(), dp.f32(), n, 0.3f);
+      ASSERT_EQ(dot, dot_product(p.f32(), dp.f32(), n)) << simd::name(t) << " n=" << n;
+      const float d = static_cast<float>(dot);
       for (int64_t j = 0; j < n + 3; ++j) {
         const float want = j < n ? 0.3f * (p.f32()[j] * (dp.f32()[j] - d)) : p.f32()[j];
         ASSERT_EQ(got[j], want) << simd::name(t) << " n=" << n << " j=" << j;

@@ -247,13 +247,15 @@ HWY_INLINE double dot16(const float* a, const float* b, int64_t n) {
 double SumOfSquaresRow(const float* x, int64_t n) { return dot16(x, x, n); }
 double DotProductRow(const float* a, const float* b, int64_t n) { return dot16(a, b, n); }
 
-void SoftmaxBackwardRow(float* p, const float* dp, int64_t n, float scale) {
+double SoftmaxBackwardRow(float* p, const float* dp, int64_t n, float scale) {
   const D d;
-  const V rowdot = hn::Set(d, static_cast<float>(dot16(p, dp, n))), sv = hn::Set(d, scale);
+  const double dot = dot16(p, dp, n);
+  const V rowdot = hn::Set(d, static_cast<float>(dot)), sv = hn::Set(d, scale);
   for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
     const V pv = load(p + i, k, tail);
     store(hn::Mul(sv, hn::Mul(pv, hn::Sub(load(dp + i, k, tail), rowdot))), p + i, k, tail);
   });
+  return dot;
 }
 
 void AddRow(float* y, const float* x, int64_t n) {
@@ -353,8 +355,8 @@ double sum_of_squares(const float* x, int64_t n) { return MOE_DISPATCH(SumOfSqua
 double dot_product(const float* a, const float* b, int64_t n) {
   return MOE_DISPATCH(DotProductRow)(a, b, n);
 }
-void softmax_backward_row(float* p, const float* dp, int64_t n, float scale) {
-  MOE_DISPATCH(SoftmaxBackwardRow)(p, dp, n, scale);
+double softmax_backward_row(float* p, const float* dp, int64_t n, float scale) {
+  return MOE_DISPATCH(SoftmaxBackwardRow)(p, dp, n, scale);
 }
 
 float row_max(const float* x, int64_t n) { return MOE_DISPATCH(RowMax)(x, n); }

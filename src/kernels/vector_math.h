@@ -55,8 +55,9 @@ double sum_of_squares(const float* x, int64_t n);
 // Σ a[i]·b[i] in double, with the same lanes and tree.
 double dot_product(const float* a, const float* b, int64_t n);
 // Softmax backward of one row, in place over the probabilities: with d = float(dot_product(p, dp)),
-// p[i] = scale · (p[i] · (dp[i] − d)), each operation rounded in that order.
-void softmax_backward_row(float* p, const float* dp, int64_t n, float scale);
+// p[i] = scale · (p[i] · (dp[i] − d)), each operation rounded in that order. Returns the
+// dot product (double), which some callers keep.
+double softmax_backward_row(float* p, const float* dp, int64_t n, float scale);
 
 // Numerically stable softmax of a row in place; returns log-sum-exp of the input.
 double softmax_inplace(float* x, int64_t n);

@@ -695,18 +695,14 @@ Tensor V4Attention::backward_impl(const Tensor& dy, const Tensor& x, const Tenso
       gemm_nt_serial(L.rows * H, L.nc, d, dOrows, d, L.comp, d, dP + L.nw, N, false);
       for (int64_t i = 0; i < L.rows; ++i)
         for (int64_t h = 0; h < H; ++h) {
-          float* p = P + (i * H + h) * N;
-          const float* dp = dP + (i * H + h) * N;
-          double dot = 0;
-          for (int64_t j = 0; j < N; ++j) dot += static_cast<double>(p[j]) * dp[j];
-          const float D = static_cast<float>(dot);
+          // Softmax backward, dS = P ⊙ (dP − D) with D = rowsum(dP ⊙ P), times the score
+          // scale; over P. Masked columns stay 0 as P is 0 there.
+          const int64_t o = (i * H + h) * N;
+          const double dot = softmax_backward_row(P + o, dP + o, N, scale);
           const int64_t r = (row0 + i) * H + h;
           const float* s = st + r * 2;
-          Dp[r] = D;
+          Dp[r] = static_cast<float>(dot);
           sp[r] = static_cast<float>(-static_cast<double>(sink_exp(c.sink[h], s[0]) * s[1]) * dot);
-          // Softmax backward, dS = P ⊙ (dP − D), times the score scale; over P. Masked
-          // columns stay 0 as P is 0 there.
-          for (int64_t j = 0; j < N; ++j) p[j] = scale * (p[j] * (dp[j] - D));
         }
       block_pv(c, L, P, dqp + row0 * HD);  // dQ = dS·keys
     });
