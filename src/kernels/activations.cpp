@@ -75,10 +75,10 @@ void rmsnorm_backward(const float* x, const float* w, const float* rstd, const f
   if (!dw) return;
   // Column blocks own their sums, rows are visited in order: same bits for any thread count and
   // block width. Blocks of 32 rather than 64 columns split dim 320 evenly between two threads.
-  const int64_t width = 32, blocks = (dim + width - 1) / width;
-  parallel_for(0, blocks, [&](int64_t b) {
-    const int64_t lo = b * width, hi = std::min(dim, lo + width);
-    double acc[64];
+  constexpr int64_t kWidth = 32;
+  parallel_for(0, (dim + kWidth - 1) / kWidth, [&](int64_t b) {
+    const int64_t lo = b * kWidth, hi = std::min(dim, lo + kWidth);
+    double acc[kWidth];
     scaled_product_column_sums(x + lo, dy + lo, rstd, rows, dim, hi - lo, acc);
     for (int64_t i = lo; i < hi; ++i) dw[i] += static_cast<float>(acc[i - lo]);
   });
