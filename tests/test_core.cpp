@@ -198,3 +198,74 @@ TEST(ThreadPool, AnExceptionInABodyReachesTheCaller) {
     EXPECT_EQ(sum.load(), 4950);
   }
 }
+
+TEST(ThreadPool, ABackgroundLoopRunsEveryIndexOnceBesideTheCallersLoops) {
+  const int before = num_threads();
+  for (int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    for (int round = 0; round < 20; ++round) {
+      const int64_t n = 1 + round * 7;
+      std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+      auto background = [&](int64_t i) { hits[static_cast<size_t>(i)].fetch_add(1); };
+      start_background_loop(0, n, background);
+      EXPECT_EQ(background_loop_running(), threads > 1);
+      // The caller's own loops meanwhile: still every index once, on the caller while the
+      // workers are busy.
+      for (int k = 0; k < 3; ++k) {
+        std::vector<std::atomic<int>> mine(50);
+        parallel_for(0, 50, [&](int64_t i) { mine[static_cast<size_t>(i)].fetch_add(1); });
+        for (auto& m : mine) ASSERT_EQ(m.load(), 1);
+      }
+      if (round % 2) while (help_background_loop()) {}
+      finish_background_loop();
+      EXPECT_FALSE(background_loop_running());
+      EXPECT_FALSE(help_background_loop());
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)].load(), 1) << threads << " " << i;
+    }
+  }
+  set_num_threads(before);
+}
+
+TEST(ThreadPool, TheCallerGetsTheWorkersBackOnceTheyFinishTheBackgroundLoop) {
+  const int before = num_threads();
+  set_num_threads(2);
+  std::atomic<int64_t> done{0};
+  auto background = [&](int64_t) { done.fetch_add(1); };
+  start_background_loop(0, 1000, background);
+  while (done.load() < 1000) {}
+  // No finish_background_loop(): the caller's next loop collects it once the worker is back,
+  // and from then on its loops are shared again.
+  bool worker_seen = false;
+  for (int attempt = 0; attempt < 100000 && !worker_seen; ++attempt) {
+    std::atomic<bool> seen{false};
+    parallel_for(0, 2, [&](int64_t) {
+      if (thread_index() != 0) seen = true;
+    });
+    worker_seen = seen;
+  }
+  EXPECT_TRUE(worker_seen);
+  EXPECT_FALSE(background_loop_running());
+  set_num_threads(before);
+}
+
+TEST(ThreadPool, ABackgroundLoopsExceptionReachesTheCallerAtItsFinish) {
+  const int before = num_threads();
+  for (int threads : {1, 2}) {
+    set_num_threads(threads);
+    auto body = [](int64_t i) {
+      if (i == 13) fail("background body {} failed", i);
+    };
+    try {
+      start_background_loop(0, 100, body);
+      finish_background_loop();
+      ADD_FAILURE() << "no exception";
+    } catch (const Error& e) {
+      EXPECT_STREQ(e.what(), "background body 13 failed");
+    }
+    EXPECT_FALSE(background_loop_running());
+    std::atomic<int64_t> sum{0};
+    parallel_for(0, 100, [&](int64_t i) { sum.fetch_add(i); });
+    EXPECT_EQ(sum.load(), 4950);
+  }
+  set_num_threads(before);
+}
