@@ -102,20 +102,26 @@ void AdamW::wait_for(const ParamList& params) {
 
 double grad_sum_squares(const ParamList& params) {
   // Fixed chunks of each gradient, summed in order: the bits depend on neither the thread count
-  // nor the SIMD target. 64 Ki elements keep both cores busy on the small models' tensors.
+  // nor the SIMD target. One loop over every chunk of every gradient: a loop per parameter
+  // left the threads waiting at hundreds of loop ends a step.
   constexpr int64_t kChunk = int64_t{1} << 16;
-  double total = 0;
-  std::vector<double> partial;
-  for (Param* p : params) {
+  struct Piece {
+    const float* at;
+    int64_t n;
+  };
+  std::vector<Piece> pieces;
+  for (const Param* p : params) {
     if (!p->grad.defined()) continue;
-    const float* g = p->g();
     const int64_t n = p->grad.numel();
-    partial.assign(static_cast<size_t>((n + kChunk - 1) / kChunk), 0.0);
-    parallel_for(0, static_cast<int64_t>(partial.size()), [&](int64_t c) {
-      partial[static_cast<size_t>(c)] = sum_of_squares(g + c * kChunk, std::min(kChunk, n - c * kChunk));
-    });
-    for (double s : partial) total += s;
+    for (int64_t i = 0; i < n; i += kChunk) pieces.push_back({p->g() + i, std::min(kChunk, n - i)});
   }
+  std::vector<double> partial(pieces.size(), 0.0);
+  parallel_for_dynamic(0, static_cast<int64_t>(pieces.size()), [&](int64_t c) {
+    const Piece& q = pieces[static_cast<size_t>(c)];
+    partial[static_cast<size_t>(c)] = sum_of_squares(q.at, q.n);
+  });
+  double total = 0;
+  for (double s : partial) total += s;
   return total;
 }
 
