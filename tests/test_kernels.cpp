@@ -147,13 +147,14 @@ TEST(VectorMath, AddRowAndColumnSumsAreTheScalarLoopsOnEveryTarget) {
   // RMSNorm's weight gradient and the residual adds: the vector kernels must keep the scalar
   // loops' bits (one double chain per column from +0, rows in order).
   Rng rng(12);
-  const int64_t rows = 37, stride = 70;
+  const int64_t rows = 37, stride = 270;
   Tensor x = random_tensor({rows * stride}, rng, 3.0f), dy = random_tensor({rows * stride}, rng),
          rstd = random_tensor({rows}, rng, 2.0f);
   for_each_simd_target([&](simd::Target t) {
-    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{8}, int64_t{17}, int64_t{64}}) {
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{8}, int64_t{17}, int64_t{64},
+                      int64_t{161}, int64_t{256}}) {
       for (int64_t off : {int64_t{0}, int64_t{6}}) {
-        double got[64];
+        double got[256];
         scaled_product_column_sums(x.f32() + off, dy.f32() + off, rstd.f32(), rows, stride, n, got);
         for (int64_t j = 0; j < n; ++j) {
           double want = 0;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/parallel.h"
 #include "kernels/vector_math.h"
@@ -69,19 +70,28 @@ void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, int6
 
 void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
                       float* dw, int64_t rows, int64_t dim) {
-  parallel_for(0, rows, [&](int64_t r) {
-    rmsnorm_backward_row(x + r * dim, w, rstd[r], dy + r * dim, dx + r * dim, dim);
+  if (!dw) {
+    parallel_for(0, rows, [&](int64_t r) {
+      rmsnorm_backward_row(x + r * dim, w, rstd[r], dy + r * dim, dx + r * dim, dim);
+    });
+    return;
+  }
+  // The weight gradient is summed per fixed chunk of rows, right after the chunk's dx rows while
+  // they are in cache, and the chunks' sums are added in order: the same bits for any thread
+  // count. (A pass of its own read every row again, from L3 at best: as long as the dx pass.)
+  const int64_t chunks = (rows + kReduceChunk - 1) / kReduceChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks * dim));
+  parallel_for(0, chunks, [&](int64_t c) {
+    const int64_t lo = c * kReduceChunk, hi = std::min(rows, lo + kReduceChunk);
+    for (int64_t r = lo; r < hi; ++r)
+      rmsnorm_backward_row(x + r * dim, w, rstd[r], dy + r * dim, dx + r * dim, dim);
+    scaled_product_column_sums(x + lo * dim, dy + lo * dim, rstd + lo, hi - lo, dim, dim,
+                               partial.data() + c * dim);
   });
-  if (!dw) return;
-  // Column blocks own their sums, rows are visited in order: same bits for any thread count and
-  // block width. Blocks of 32 rather than 64 columns split dim 320 evenly between two threads.
-  constexpr int64_t kWidth = 32;
-  parallel_for(0, (dim + kWidth - 1) / kWidth, [&](int64_t b) {
-    const int64_t lo = b * kWidth, hi = std::min(dim, lo + kWidth);
-    double acc[kWidth];
-    scaled_product_column_sums(x + lo, dy + lo, rstd, rows, dim, hi - lo, acc);
-    for (int64_t i = lo; i < hi; ++i) dw[i] += static_cast<float>(acc[i - lo]);
-  });
+  std::vector<double> total(static_cast<size_t>(dim), 0.0);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t j = 0; j < dim; ++j) total[static_cast<size_t>(j)] += partial[static_cast<size_t>(c * dim + j)];
+  for (int64_t j = 0; j < dim; ++j) dw[j] += static_cast<float>(total[static_cast<size_t>(j)]);
 }
 
 void add_inplace(float* y, const float* x, int64_t n) {

@@ -44,8 +44,8 @@ void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const Ad
 // y[i] += x[i]
 void add_row(float* y, const float* x, int64_t n);
 // sums[j] = Σ_r double(dy[r·stride + j])·x[r·stride + j]·rstd[r] in double, r = 0..rows-1 in
-// order, for j < n ≤ 64: each column one chain from +0, as the scalar loop would compute it
-// (RMSNorm's weight gradient over a block of columns).
+// order, for j < n: each column one chain from +0, as the scalar loop would compute it
+// (RMSNorm's weight gradient over a chunk of rows).
 void scaled_product_column_sums(const float* x, const float* dy, const float* rstd, int64_t rows,
                                 int64_t stride, int64_t n, double* sums);
 
