@@ -7,8 +7,8 @@
 #include "core/parallel.h"
 #include "kernels/activations.h"
 #include "kernels/gemm.h"
-#include "moe/mxfp4_expert_weights.h"
 #include "kernels/vector_math.h"
+#include "moe/mxfp4_expert_weights.h"
 
 namespace moe {
 
@@ -186,15 +186,16 @@ Tensor MoELayer::forward(const Tensor& x, const Tensor& token_ids, const BatchSh
   const bool keep_rows = train && experts_->trainable() && !dispatcher_->can_regather_rows();
   if (!keep_rows) d.rows.reset();  // lowers the peak of every forward from here on
   Tensor h = activation({R, H});
-  swiglu_forward(g.f32(), u.f32(), h.f32(), R * H, swiglu_limit_);
-  if (!train) g.reset(), u.reset();
   {
-    const float* rw = d.row_weights.f32();
+    // SwiGLU, then the routing weight, row by row while the row is in cache.
+    const float *gp = g.f32(), *up = u.f32(), *rw = d.row_weights.f32();
     float* hp = h.f32();
     parallel_for(0, R, [&](int64_t r) {
-      for (int64_t i = 0; i < H; ++i) hp[r * H + i] *= rw[r];
+      swiglu_row(gp + r * H, up + r * H, hp + r * H, H, swiglu_limit_);
+      scale_row(hp + r * H, H, rw[r]);
     });
   }
+  if (!train) g.reset(), u.reset();
   Tensor o = activation({R, dim_});
   experts_->down_forward(seg, h.f32(), o.f32(), expert_activations_);
   if (lora_.down) lora_.down->forward_add(seg, h.f32(), kp, o.f32());
