@@ -127,7 +127,7 @@ class Pool {
   void resize(int n) {
     n = std::max(1, n);
     MOE_CHECK(!t_in_loop, "set_num_threads({}) inside a parallel loop's body", n);
-    finish_background();  // a background loop of another thread holds mu_ until it ends
+    finish_background();  // this thread's own background loop holds mu_ until it ends
     const std::lock_guard<std::mutex> lock(mu_);
     if (n == threads_.load()) return;
     stop_workers();
