@@ -53,8 +53,6 @@ int main(int argc, char** argv) {
   model.init_weights(1);
   model.allocate_grads();
   AdamW opt(model.trainable_params(), AdamWConfig{});
-  // As the trainer runs a step: the update beside the next forward, the gradients zeroed by it.
-  model.set_pending_update(&opt);
   const BatchShape shape{batch, seq};
   Tensor tokens = Tensor::empty({shape.tokens()}, DType::I32, MemCategory::Activations);
   Tensor targets = tokens.clone(MemCategory::Activations);
@@ -68,14 +66,14 @@ int main(int argc, char** argv) {
     model.backward();
     const float clip = clip_coefficient(grad_norm(model.trainable_params()), 1.0);
     model.update_router_biases(1e-3);
-    opt.start_step(1e-3, clip);
+    opt.step(1e-3, clip);
+    model.zero_grads();
     return r.total();
   };
   for (int64_t i = 0; i < warmup; ++i) step();
   const auto t0 = std::chrono::steady_clock::now();
   double loss = 0;
   for (int64_t i = 0; i < steps; ++i) loss = step();
-  opt.finish();
   const double secs = seconds_since(t0);
   const double tps = static_cast<double>(steps * shape.tokens()) / secs;
   const double gflops = tps * train_flops_per_token(cfg, seq) / 1e9;

@@ -2,8 +2,6 @@
 // update giving the same bits as a separate clipping pass.
 #include <cmath>
 #include <cstring>
-#include <string>
-#include <vector>
 
 #include "train/adamw.h"
 #include "test_util.h"
@@ -102,58 +100,4 @@ TEST(AdamW, MomentCoefficientsAreOneMinusBetaRoundedOnceAsInTorch) {
       EXPECT_LT(rel_error(opt.second_moments()[i].f32(), v.data(), n), 3e-7) << beta;
     }
   }
-}
-
-TEST(AdamW, AStartedStepEqualsAStepBitwiseAndConsumesTheGradients) {
-  TwoParams x, y;
-  AdamWConfig cfg{1e-2, 0.9, 0.95, 1e-8, 0.1};
-  AdamW ox(x.list(), cfg), oy(y.list(), cfg);
-  for (int step = 0; step < 3; ++step) {
-    ox.step(cfg.lr, 0.6f);
-    oy.start_step(cfg.lr, 0.6f);
-    oy.finish();
-    EXPECT_FALSE(oy.running());
-    for (int i = 0; i < 2; ++i) {
-      const Param &a = *x.list()[i], &b = *y.list()[i];
-      const size_t bytes = static_cast<size_t>(a.value.nbytes());
-      EXPECT_EQ(std::memcmp(a.w(), b.w(), bytes), 0) << a.name;
-      EXPECT_EQ(std::memcmp(ox.first_moments()[i].f32(), oy.first_moments()[i].f32(), bytes), 0);
-      EXPECT_EQ(std::memcmp(ox.second_moments()[i].f32(), oy.second_moments()[i].f32(), bytes), 0);
-      for (int64_t j = 0; j < b.grad.numel(); ++j) ASSERT_EQ(b.g()[j], 0.0f) << b.name << " " << j;
-      std::memcpy(b.g(), a.g(), bytes);  // step() kept x's gradients: the next step's for both
-    }
-  }
-}
-
-TEST(AdamW, WaitingForSomeParametersReturnsWithThemWritten) {
-  // Large enough that the workers are still on the update when the caller asks.
-  constexpr size_t kParams = 12;
-  std::vector<Param> ps(kParams), copies(kParams);
-  ParamList list, copy_list;
-  Rng rng(9);
-  for (size_t i = 0; i < kParams; ++i) {
-    for (Param* p : {&ps[i], &copies[i]}) {
-      p->init("p" + std::to_string(i), {100, 1000}, i % 2 == 0);
-      p->allocate_grad();
-    }
-    fill_random(ps[i].value, rng, 0.5f);
-    fill_random(ps[i].grad, rng, 1.0f);
-    copies[i].value.copy_from(ps[i].value);
-    copies[i].grad.copy_from(ps[i].grad);
-    list.push_back(&ps[i]);
-    copy_list.push_back(&copies[i]);
-  }
-  AdamW expected(copy_list, AdamWConfig{}), opt(list, AdamWConfig{});
-  expected.step(1e-2);
-  opt.start_step(1e-2);
-  for (size_t i : {kParams - 1, size_t{3}, size_t{7}}) {
-    opt.wait_for({list[i]});
-    EXPECT_EQ(std::memcmp(list[i]->w(), copy_list[i]->w(), static_cast<size_t>(list[i]->value.nbytes())), 0)
-        << list[i]->name;
-  }
-  EXPECT_TRUE(opt.running());
-  opt.finish();
-  for (size_t i = 0; i < kParams; ++i)
-    EXPECT_EQ(std::memcmp(list[i]->w(), copy_list[i]->w(), static_cast<size_t>(list[i]->value.nbytes())), 0)
-        << list[i]->name;
 }

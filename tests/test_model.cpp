@@ -14,7 +14,6 @@
 #include "model/model.h"
 #include "train/adamw.h"
 #include "test_util.h"
-#include "update_overlap_checks.h"
 
 using namespace moe;
 using namespace moe::testing;
@@ -87,35 +86,6 @@ TEST(Model, TrainingStepsAreBitwiseTheSameOnEverySimdTarget) {
   };
   expect_same_bits_on_every_target([&] { return run_with("fp32"); });
   expect_same_bits_on_every_target([&] { return run_with("mxfp4"); });
-}
-
-TEST(Model, AnUpdateBesideTheNextForwardGivesTheSameBits) {
-  // The trainer's AdamW::start_step: the update runs on the workers while the next forward
-  // waits for it layer by layer, and it zeroes the gradients it read.
-  auto run = [](bool beside) {
-    DeepSeekModel model(debug_config());
-    model.init_weights(11);
-    model.allocate_grads();
-    return train_with_update(model, beside, 3, 256);
-  };
-  const auto after = run(false), beside = run(true);
-  ASSERT_EQ(after.size(), beside.size());
-  EXPECT_EQ(std::memcmp(after.data(), beside.data(), after.size() * sizeof(float)), 0);
-}
-
-TEST(Model, AForwardWaitsForEachLayersParametersBeforeReadingThem) {
-  {
-    DeepSeekModel model(debug_config());
-    model.init_weights(11);
-    model.allocate_grads();
-    expect_forward_waits_layer_by_layer(model, "model.embed_tokens.weight", "model.layers.", 256);
-  }
-  DeepSeekModel model(debug_config());
-  model.init_weights(11);
-  model.freeze_base();
-  model.add_lora(LoraSettings{}, 12);
-  model.allocate_grads();
-  expect_forward_waits_layer_by_layer(model, "model.embed_tokens.weight", "model.layers.", 256);
 }
 
 TEST(Model, EveryPassReleasesActivationsAndRouting) {

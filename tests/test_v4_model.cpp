@@ -23,7 +23,6 @@
 #include "train/adamw.h"
 #include "train/train_config.h"
 #include "test_util.h"
-#include "update_overlap_checks.h"
 
 using namespace moe;
 using namespace moe::testing;
@@ -323,35 +322,6 @@ TEST(V4Model, TrainingStepsAreBitwiseTheSameOnEverySimdTarget) {
   expect_same_bits_on_every_target([&] { return train_bits(cfg, 2); });
   cfg.expert_format = "mxfp4";
   expect_same_bits_on_every_target([&] { return train_bits(cfg, 2); });
-}
-
-TEST(V4Model, AnUpdateBesideTheNextForwardGivesTheSameBits) {
-  const ModelConfig cfg = small_config();  // with an MTP layer
-  auto run = [&](bool beside) {
-    DeepSeekV4Model model(cfg);
-    model.init_weights(17);
-    model.allocate_grads();
-    return train_with_update(model, beside, 3, cfg.vocab_size);
-  };
-  const auto after = run(false), beside = run(true);
-  ASSERT_EQ(after.size(), beside.size());
-  EXPECT_EQ(std::memcmp(after.data(), beside.data(), after.size() * sizeof(float)), 0);
-}
-
-TEST(V4Model, AForwardWaitsForEachLayersParametersBeforeReadingThem) {
-  const ModelConfig cfg = small_config();
-  {
-    DeepSeekV4Model model(cfg);
-    model.init_weights(17);
-    model.allocate_grads();
-    expect_forward_waits_layer_by_layer(model, "embed.weight", "layers.", cfg.vocab_size);
-  }
-  DeepSeekV4Model model(cfg);
-  model.init_weights(17);
-  model.freeze_base();
-  model.add_lora(LoraSettings{}, 18);
-  model.allocate_grads();
-  expect_forward_waits_layer_by_layer(model, "embed.weight", "layers.", cfg.vocab_size);
 }
 
 TEST(V4Model, TheSimulationIsBitwiseTheSameForAnyThreadCountAndSimdTarget) {

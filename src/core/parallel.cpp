@@ -78,7 +78,6 @@ void publish(std::atomic<uint32_t>& word, std::atomic<int>& sleepers) {
 
 thread_local int t_index = 0;
 thread_local bool t_in_loop = false;
-thread_local bool t_owns_background = false;  // this thread started the running background loop
 
 struct Loop {
   detail::IndexFn fn = nullptr;
@@ -127,7 +126,6 @@ class Pool {
   void resize(int n) {
     n = std::max(1, n);
     MOE_CHECK(!t_in_loop, "set_num_threads({}) inside a parallel loop's body", n);
-    finish_background();  // this thread's own background loop holds mu_ until it ends
     const std::lock_guard<std::mutex> lock(mu_);
     if (n == threads_.load()) return;
     stop_workers();
@@ -147,13 +145,10 @@ class Pool {
   void run(int64_t begin, int64_t end, bool dynamic, detail::IndexFn fn, void* body) {
     const int64_t n = end - begin;
     if (n <= 0) return;
-    // The workers still on this thread's background loop: serially here; once they are done,
-    // the loop is collected and this one has them.
-    if (t_owns_background && !t_in_loop && background_workers_done()) finish_background();
     std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
     // Nested loops, a second caller while a loop runs, one thread or one index: serially here.
     // The count is read again under the lock (a resize may have run meanwhile).
-    const bool shared = !t_owns_background && !t_in_loop && n > 1 && threads() > 1 && lock.try_lock();
+    const bool shared = !t_in_loop && n > 1 && threads() > 1 && lock.try_lock();
     const int threads = shared ? threads_.load() : 1;
     if (threads == 1) {
       if (lock.owns_lock()) lock.unlock();
@@ -179,62 +174,7 @@ class Pool {
     }
   }
 
-  void start_background(int64_t begin, int64_t end, detail::IndexFn fn, void* body) {
-    MOE_CHECK(!t_in_loop && !t_owns_background,
-              "internal: a background loop started inside a loop or beside another");
-    if (end <= begin) return;
-    mu_.lock();  // held until finish_background(), so that no other caller starts a loop
-    loop_.fn = fn, loop_.body = body, loop_.begin = begin, loop_.end = end, loop_.dynamic = true;
-    loop_.next.store(begin, std::memory_order_relaxed);
-    loop_.error = nullptr;
-    t_owns_background = true;
-    const int threads = threads_.load();
-    background_workers_ = threads > 1;
-    if (background_workers_) {
-      loop_.parts = threads;
-      background_done_before_ = done_.load(std::memory_order_relaxed);
-      running_.store(threads - 1, std::memory_order_relaxed);
-      publish(start_, start_sleepers_);
-    } else {
-      finish_background();
-    }
-  }
-
-  bool help_background() {
-    if (!t_owns_background) return false;
-    const int64_t i = loop_.next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= loop_.end) return false;
-    t_in_loop = true;
-    try {
-      loop_.fn(loop_.body, i);
-    } catch (...) {
-      const std::lock_guard<std::mutex> lock(loop_.error_mu);
-      if (!loop_.error) loop_.error = std::current_exception();
-      loop_.next.store(loop_.end, std::memory_order_relaxed);
-    }
-    t_in_loop = false;
-    return true;
-  }
-
-  void finish_background() {
-    if (!t_owns_background) return;
-    t_in_loop = true;
-    loop_.run_part(0);  // dynamic: takes whatever the workers have not
-    t_in_loop = false;
-    if (background_workers_)
-      for (uint32_t d = background_done_before_; d == background_done_before_;)
-        d = wait_change(done_, background_done_before_, done_sleepers_);
-    t_owns_background = false;
-    std::exception_ptr e = std::exchange(loop_.error, nullptr);
-    mu_.unlock();
-    if (e) std::rethrow_exception(e);
-  }
-
  private:
-  bool background_workers_done() const {
-    return !background_workers_ || done_.load(std::memory_order_acquire) != background_done_before_;
-  }
-
   static int default_threads() {
     if (const char* v = std::getenv("OMP_NUM_THREADS"); v && *v) {
       const int n = std::atoi(v);
@@ -274,9 +214,6 @@ class Pool {
   std::atomic<uint32_t> start_{0}, done_{0};
   std::atomic<int> start_sleepers_{0}, done_sleepers_{0};
   std::atomic<int> running_{0};
-  // Read and written by the thread that owns the background loop only.
-  bool background_workers_ = false;
-  uint32_t background_done_before_ = 0;
 };
 
 Pool& pool() {
@@ -299,18 +236,9 @@ int available_cpus() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-bool help_background_loop() { return pool().help_background(); }
-
-void finish_background_loop() { pool().finish_background(); }
-
-bool background_loop_running() { return t_owns_background; }
-
 namespace detail {
 void run_loop(int64_t begin, int64_t end, bool dynamic, IndexFn fn, void* body) {
   pool().run(begin, end, dynamic, fn, body);
-}
-void start_background(int64_t begin, int64_t end, IndexFn fn, void* body) {
-  pool().start_background(begin, end, fn, body);
 }
 }  // namespace detail
 

@@ -31,7 +31,6 @@ constexpr int64_t kReduceChunk = 64;
 namespace detail {
 using IndexFn = void (*)(void* body, int64_t i);
 void run_loop(int64_t begin, int64_t end, bool dynamic, IndexFn fn, void* body);
-void start_background(int64_t begin, int64_t end, IndexFn fn, void* body);
 template <typename F>
 void call_body(void* body, int64_t i) {
   (*static_cast<std::remove_reference_t<F>*>(body))(i);
@@ -51,23 +50,5 @@ template <typename F>
 void parallel_for_dynamic(int64_t begin, int64_t end, F&& body) {
   detail::run_loop(begin, end, true, &detail::call_body<F>, const_cast<void*>(static_cast<const void*>(&body)));
 }
-
-// A dynamic loop the pool's workers run in the background while the calling thread goes on: an
-// optimizer update that overlaps the next forward. Until the workers have finished it, the
-// caller's own parallel loops run serially on the caller; the first of them that finds it done
-// collects it and has the whole pool again. On a pool of one thread it runs here, at once.
-// One at a time, and the thread that started it finishes it; `body` must live until then.
-template <typename F>
-void start_background_loop(int64_t begin, int64_t end, F& body) {
-  detail::start_background(begin, end, &detail::call_body<F>, static_cast<void*>(&body));
-}
-// Runs the next index of the calling thread's background loop here, so that a caller waiting for
-// part of it helps instead of spinning. False when every index has been handed out (a worker may
-// still be running the last ones) or none is running.
-bool help_background_loop();
-// Runs what is left of the calling thread's background loop here, waits for the workers, and
-// rethrows the first exception a body threw. Nothing when none is running.
-void finish_background_loop();
-bool background_loop_running();
 
 }  // namespace moe

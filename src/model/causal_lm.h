@@ -97,39 +97,6 @@ class CausalLM {
   virtual void update_router_biases(double rate) = 0;
   // Whether any layer still holds state from a Train forward (tests: nothing leaks).
   virtual bool has_saved() const = 0;
-
-  // An optimizer update that may still be running when a forward starts (AdamW::start_step):
-  // every forward then waits for each layer's parameters before that layer runs, and for the
-  // whole update before the head (whose fused forward already writes gradients, which the
-  // update zeroes). Null: nothing to wait for.
-  void set_pending_update(PendingUpdate* update) { pending_update_ = update; }
-
- protected:
-  bool update_running() const { return pending_update_ && pending_update_->running(); }
-  // Before a stage of the forward reads `params`.
-  void await_update(const ParamList& params) const {
-    if (pending_update_) pending_update_->wait_for(params);
-  }
-  void await_whole_update() const {
-    if (pending_update_) pending_update_->wait_all();
-  }
-  // Before the embedding runs. Adapters are not listed by layer: a fine-tune's update (its
-  // adapters, small) is waited for whole.
-  void await_embedding(Param& weight) const {
-    if (has_lora()) await_whole_update();
-    else await_update({&weight});
-  }
-  // Before a layer runs; `layer.collect` lists its parameters.
-  template <typename Layer>
-  void await_layer(Layer& layer) const {
-    if (!update_running()) return;
-    ParamList params;
-    layer.collect(params);
-    await_update(params);
-  }
-
- private:
-  PendingUpdate* pending_update_ = nullptr;
 };
 
 // The model config.json's model_type names: DeepSeekV4Model for "deepseek_v4", DeepSeekModel

@@ -290,13 +290,8 @@ std::vector<MoELayer*> DeepSeekModel::moe_layers() const {
 Tensor DeepSeekModel::hidden_states(const Tensor& tokens, const BatchShape& shape, Pass pass) {
   MOE_CHECK(tokens.numel() == shape.tokens(), "expected {} tokens (batch {} x seq {}), got {}",
             shape.tokens(), shape.batch, shape.seq, tokens.numel());
-  await_embedding(embed_.weight);
   Tensor x = embed_.forward(tokens, pass);
-  for (auto& b : blocks_) {
-    await_layer(*b);
-    x = b->forward(x, shape, pass);
-  }
-  await_whole_update();  // the final norm, the head, and whatever no stage listed
+  for (auto& b : blocks_) x = b->forward(x, shape, pass);
   return final_norm_.forward(x, pass);
 }
 
@@ -341,7 +336,6 @@ Tensor DeepSeekModel::forward_cached(const Tensor& tokens, std::span<const Cache
             "cached forward: {} cache layers for {} model layers", cache.size(),
             cfg_.num_hidden_layers);
   lora_runtime_->dropout_active = false;
-  await_whole_update();
   Tensor x = embed_.forward(tokens, Pass::Inference);
   for (size_t l = 0; l < blocks_.size(); ++l) x = blocks_[l]->forward_cached(x, chunks, cache[l]);
   // Only the rows that predict a next token go through the final norm and the head.

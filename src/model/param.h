@@ -47,19 +47,6 @@ struct Param {
 
 using ParamList = std::vector<Param*>;
 
-// An update that may still be writing parameters: an optimizer step running on the pool's
-// workers (train/adamw.h). A forward asks it before reading each layer's parameters, so that
-// the update of the later layers overlaps the forward of the earlier ones.
-class PendingUpdate {
- public:
-  virtual ~PendingUpdate() = default;
-  virtual bool running() const = 0;
-  // Returns once the update has written every parameter of `params` it writes.
-  virtual void wait_for(const ParamList& params) = 0;
-  // Returns once the whole update is done.
-  virtual void wait_all() = 0;
-};
-
 // Zeroes the gradients of `params` (those that have one), spread over the threads: a step's
 // gradients are as large as the model, too much for one thread's memset.
 void zero_grads(const ParamList& params);

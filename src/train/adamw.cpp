@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <thread>
 #include <vector>
 
 #include "core/parallel.h"
@@ -12,91 +10,38 @@
 namespace moe {
 
 AdamW::AdamW(ParamList params, const AdamWConfig& cfg) : params_(std::move(params)), cfg_(cfg) {
-  // Pieces of 4,096 values: small enough that a forward waiting for one layer's parameters
-  // waits for little more than them, large enough that handing them out costs nothing.
-  constexpr int64_t kChunk = 4096;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Param* p = params_[i];
+  for (Param* p : params_) {
     const MemCategory c = optimizer_category_of(p->value.category());
     m_.push_back(Tensor::zeros(p->value.shape(), DType::F32, c));
     v_.push_back(Tensor::zeros(p->value.shape(), DType::F32, c));
-    first_chunk_.push_back(static_cast<int64_t>(chunks_.size()));
-    index_of_.emplace(p, i);
-    const int64_t n = p->value.numel();
-    for (int64_t lo = 0; lo < n; lo += kChunk)
-      chunks_.push_back({static_cast<int32_t>(i), lo, std::min(kChunk, n - lo)});
   }
-  first_chunk_.push_back(static_cast<int64_t>(chunks_.size()));
-  chunk_done_ = std::make_unique<std::atomic<int64_t>[]>(chunks_.size());
-  for (size_t c = 0; c < chunks_.size(); ++c) chunk_done_[c].store(0, std::memory_order_relaxed);
-  decay_.resize(params_.size());
-}
-
-AdamW::~AdamW() {
-  try {
-    finish();
-  } catch (...) {
-    // Only a bug can throw here, and a destructor must not: the update's effects are moot now.
-  }
-}
-
-void AdamW::prepare(double lr, float grad_scale) {
-  finish();
-  ++step_;
-  ++generation_;
-  row_.grad_scale = grad_scale;
-  row_.beta1 = static_cast<float>(cfg_.beta1);
-  row_.beta2 = static_cast<float>(cfg_.beta2);
-  row_.one_minus_beta1 = static_cast<float>(1.0 - cfg_.beta1);
-  row_.one_minus_beta2 = static_cast<float>(1.0 - cfg_.beta2);
-  row_.step_size = static_cast<float>(lr / (1.0 - std::pow(cfg_.beta1, static_cast<double>(step_))));
-  row_.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(cfg_.beta2, static_cast<double>(step_))));
-  row_.eps = static_cast<float>(cfg_.eps);
-  for (size_t i = 0; i < params_.size(); ++i)
-    decay_[i] = params_[i]->weight_decay ? static_cast<float>(1.0 - lr * cfg_.weight_decay) : 1.0f;
-}
-
-void AdamW::run_chunk(int64_t c) {
-  const Chunk& k = chunks_[static_cast<size_t>(c)];
-  const Param* p = params_[static_cast<size_t>(k.param)];
-  if (p->grad.defined()) {
-    AdamWRowParams row = row_;
-    row.decay = decay_[static_cast<size_t>(k.param)];
-    float* g = p->g() + k.offset;
-    adamw_row(p->w() + k.offset, g, m_[static_cast<size_t>(k.param)].f32() + k.offset,
-              v_[static_cast<size_t>(k.param)].f32() + k.offset, k.n, row);
-    if (zero_grads_) std::memset(g, 0, sizeof(float) * static_cast<size_t>(k.n));
-  }
-  chunk_done_[static_cast<size_t>(c)].store(generation_, std::memory_order_release);
 }
 
 void AdamW::step(double lr, float grad_scale) {
-  prepare(lr, grad_scale);
-  zero_grads_ = false;
-  parallel_for(0, static_cast<int64_t>(chunks_.size()), [&](int64_t c) { run_chunk(c); });
-}
-
-void AdamW::start_step(double lr, float grad_scale) {
-  prepare(lr, grad_scale);
-  zero_grads_ = true;
-  running_ = true;
-  start_background_loop(0, static_cast<int64_t>(chunks_.size()), runner_);
-}
-
-void AdamW::finish() {
-  if (!running_) return;
-  running_ = false;
-  finish_background_loop();
-}
-
-void AdamW::wait_for(const ParamList& params) {
-  if (!running_) return;
-  for (const Param* p : params) {
-    const auto it = index_of_.find(p);
-    if (it == index_of_.end()) continue;
-    for (int64_t c = first_chunk_[it->second]; c < first_chunk_[it->second + 1]; ++c)
-      while (chunk_done_[static_cast<size_t>(c)].load(std::memory_order_acquire) != generation_)
-        if (!help_background_loop()) std::this_thread::yield();  // a worker has its last chunks
+  ++step_;
+  AdamWRowParams row;
+  row.grad_scale = grad_scale;
+  row.beta1 = static_cast<float>(cfg_.beta1);
+  row.beta2 = static_cast<float>(cfg_.beta2);
+  row.one_minus_beta1 = static_cast<float>(1.0 - cfg_.beta1);
+  row.one_minus_beta2 = static_cast<float>(1.0 - cfg_.beta2);
+  row.step_size = static_cast<float>(lr / (1.0 - std::pow(cfg_.beta1, static_cast<double>(step_))));
+  row.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(cfg_.beta2, static_cast<double>(step_))));
+  row.eps = static_cast<float>(cfg_.eps);
+  constexpr int64_t kChunk = 4096;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param* p = params_[i];
+    if (!p->grad.defined()) continue;
+    row.decay = p->weight_decay ? static_cast<float>(1.0 - lr * cfg_.weight_decay) : 1.0f;
+    float* w = p->w();
+    const float* g = p->g();
+    float* m = m_[i].f32();
+    float* v = v_[i].f32();
+    const int64_t n = p->value.numel();
+    parallel_for(0, (n + kChunk - 1) / kChunk, [&](int64_t c) {
+      const int64_t lo = c * kChunk;
+      adamw_row(w + lo, g + lo, m + lo, v + lo, std::min(kChunk, n - lo), row);
+    });
   }
 }
 

@@ -233,8 +233,6 @@ class TrainingRun {
     st_.config_toml = train_config_to_toml(cfg_);
     result_.unigram_entropy = corpus_.train_unigram_entropy;
     result_.final_val_loss = kNaN;
-    // Each step's update runs beside the next step's forward, which waits layer by layer.
-    model_->set_pending_update(&opt_);
   }
 
   TrainResult run() {
@@ -300,7 +298,6 @@ class TrainingRun {
       }
     }
     interrupt_ = nullptr;
-    opt_.finish();
     progress_.finish();
     if (checkpoint_due)
       warn(fmt::format("the last step was non-finite, so no checkpoint was written "
@@ -494,10 +491,7 @@ class TrainingRun {
   // trains on its part; scaled as below, the summed gradients are those of the global batch.
   StepOutcome step() {
     CollectiveWatchdog::set_step(st_.step + 1);
-    if (req_.hooks.before_step) {
-      opt_.finish();
-      req_.hooks.before_step(st_.step, *model_);
-    }
+    if (req_.hooks.before_step) req_.hooks.before_step(st_.step, *model_);
     const auto t0 = Clock::now();
     const int64_t accum = cfg_.optimizer.grad_accum;
     const double w = static_cast<double>(world().size());
@@ -507,8 +501,7 @@ class TrainingRun {
     options.aux_grad_scale = static_cast<float>(1.0 / (w * static_cast<double>(accum)));
     StepOutcome s;
     s.lr = schedule_.at(st_.step);
-    if (!grads_zero_) model_->zero_grads();
-    grads_zero_ = false;
+    model_->zero_grads();
     // This rank's share of the step's CE, z-loss and aux loss, and whether it was asked to stop:
     // one all-reduce makes all of them the same on every rank.
     double parts[4] = {0, 0, 0, 0};
@@ -555,10 +548,7 @@ class TrainingRun {
     if (s.finite) {
       st_.nonfinite_streak = 0;
       model_->update_router_biases(cfg_.optimizer.bias_update_rate);
-      // Clipping is folded into the update, which also zeroes the gradients as it reads them:
-      // one pass over them. It runs beside the next step's forward.
-      opt_.start_step(s.lr, clip);
-      grads_zero_ = true;
+      opt_.step(s.lr, clip);  // clipping folded into the update: one pass over the gradients
     } else {
       skip(s);
     }
@@ -577,7 +567,6 @@ class TrainingRun {
     ++st_.nonfinite_streak;
     ++result_.skipped;
     model_->zero_grads();
-    grads_zero_ = true;
     model_->update_router_biases(0.0);  // drops this step's expert counts, moves no bias
     const int64_t limit = cfg_.optimizer.max_nonfinite_steps;
     if (st_.nonfinite_streak > limit) {
@@ -614,7 +603,6 @@ class TrainingRun {
   }
 
   void validate() {
-    opt_.finish();
     const auto t0 = Clock::now();
     result_.final_val_loss =
         evaluate(*model_, corpus_.val, cfg_.data.batch_size, cfg_.data.val_batches, world());
@@ -624,7 +612,6 @@ class TrainingRun {
   }
 
   void checkpoint() {
-    opt_.finish();
     std::vector<std::pair<std::string, std::string>> extra;
     if (!tokenizer_json_.empty()) extra.emplace_back(kTokenizerFile, tokenizer_json_);
     for (const auto& f : tokenizer_side_files_) extra.push_back(f);
@@ -774,7 +761,6 @@ class TrainingRun {
   double train_seconds_ = 0;
   int64_t steps_this_run_ = 0;
   int64_t n_recent_ = 0;
-  bool grads_zero_ = false;  // the last update consumed them (AdamW::start_step)
 };
 
 }  // namespace

@@ -58,7 +58,6 @@ Tensor DeepSeekV4Model::forward_cached(const Tensor& tokens, std::span<const Cac
             "configuration (layers, compress ratios, head_dim or sliding_window differ)");
   MOE_CHECK(tokens.dtype() == DType::I32 && tokens.ndim() == 1,
             "cached forward: expected I32 tokens [T], got {}", shape_str(tokens.shape()));
-  await_whole_update();
   const int64_t T = tokens.dim(0);
   (void)chunk_first_rows(chunks, T, "cached forward");
   std::vector<bool> seen(static_cast<size_t>(cache.slots()), false);

@@ -343,13 +343,8 @@ Tensor DeepSeekV4Model::streams(const Tensor& tokens, const BatchShape& shape, P
   MOE_CHECK(tokens.dtype() == DType::I32 && tokens.numel() == shape.tokens(),
             "expected {} I32 tokens (batch {} x seq {}), got {}", shape.tokens(), shape.batch,
             shape.seq, shape_str(tokens.shape()));
-  await_embedding(embed_.weight);
   Tensor X = expand_streams(embed_.forward(tokens, pass), cfg_.hc_mult);
-  for (auto& b : blocks_) {
-    await_layer(*b);
-    X = b->forward(X, tokens, shape, pass);
-  }
-  await_whole_update();  // the head, the MTP layer, and whatever no stage listed
+  for (auto& b : blocks_) X = b->forward(X, tokens, shape, pass);
   return X;
 }
 
