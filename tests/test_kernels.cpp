@@ -5,7 +5,9 @@
 #include <cstring>
 #include <vector>
 
+#include "core/parallel.h"
 #include "core/simd.h"
+#include "kernels/activations.h"
 #include "kernels/vector_math.h"
 #include "test_util.h"
 
@@ -170,6 +172,52 @@ TEST(VectorMath, AddRowAndColumnSumsAreTheScalarLoopsOnEveryTarget) {
         ASSERT_EQ(y[i], i < 5 ? dy.f32()[i] : dy.f32()[i] + x.f32()[i - 5]) << simd::name(t) << " n=" << n;
     }
   });
+}
+
+TEST(Activations, RmsnormWeightGradientIsSummedPerChunkOfRowsInOrder) {
+  // Chunks of kReduceChunk rows, each one double chain per column from +0, the chunks' sums
+  // added in order: the same bits for any thread count, SIMD target and wave of chunks (dim
+  // 2,048 takes 16 chunks a wave, so 40 chunks run in three).
+  Rng rng(21);
+  const int64_t dim = 2048, rows = 40 * kReduceChunk + 5;
+  Tensor x = random_tensor({rows * dim}, rng), dy = random_tensor({rows * dim}, rng),
+         w = random_tensor({dim}, rng), rstd = random_tensor({rows}, rng, 0.5f);
+  // Column 0 tells the chunks' order apart even after the rounding to fp32: chunk sums 1e30,
+  // -1e30 and 1 give 1 in order, 0 in most others.
+  for (int64_t r = 0; r < rows; ++r) x.f32()[r * dim] = dy.f32()[r * dim] = 0.0f;
+  for (int64_t c : {0, 1, 2}) {
+    const int64_t r = c * kReduceChunk;
+    rstd.f32()[r] = 1.0f;
+    x.f32()[r * dim] = c == 2 ? 1.0f : 1e15f;
+    dy.f32()[r * dim] = c == 0 ? 1e15f : c == 1 ? -1e15f : 1.0f;
+  }
+  std::vector<double> want(static_cast<size_t>(dim), 0.0);
+  for (int64_t lo = 0; lo < rows; lo += kReduceChunk)
+    for (int64_t j = 0; j < dim; ++j) {
+      double chunk = 0;
+      for (int64_t r = lo; r < std::min(rows, lo + kReduceChunk); ++r)
+        chunk += static_cast<double>(dy.f32()[r * dim + j]) * x.f32()[r * dim + j] *
+                 static_cast<double>(rstd.f32()[r]);
+      want[static_cast<size_t>(j)] += chunk;
+    }
+  ASSERT_EQ(want[0], 1.0);
+  const int before = num_threads();
+  for_each_simd_target([&](simd::Target t) {
+    for (int threads : {1, 2, 3}) {
+      set_num_threads(threads);
+      std::vector<float> dx(static_cast<size_t>(rows * dim)), dw(static_cast<size_t>(dim), 0.5f);
+      rmsnorm_backward(x.f32(), w.f32(), rstd.f32(), dy.f32(), dx.data(), dw.data(), rows, dim);
+      for (int64_t j = 0; j < dim; ++j)
+        ASSERT_EQ(dw[static_cast<size_t>(j)], 0.5f + static_cast<float>(want[static_cast<size_t>(j)]))
+            << simd::name(t) << " threads " << threads << " j=" << j;
+      std::vector<float> row(static_cast<size_t>(dim));
+      for (int64_t r : {int64_t{0}, rows - 1}) {
+        rmsnorm_backward_row(x.f32() + r * dim, w.f32(), rstd.f32()[r], dy.f32() + r * dim, row.data(), dim);
+        ASSERT_EQ(std::memcmp(row.data(), dx.data() + r * dim, sizeof(float) * static_cast<size_t>(dim)), 0);
+      }
+    }
+  });
+  set_num_threads(before);
 }
 
 TEST(VectorMath, NaNInARowReachesTheSum) {

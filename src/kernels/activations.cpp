@@ -77,20 +77,27 @@ void rmsnorm_backward(const float* x, const float* w, const float* rstd, const f
     return;
   }
   // The weight gradient is summed per fixed chunk of rows, right after the chunk's dx rows while
-  // they are in cache, and the chunks' sums are added in order: the same bits for any thread
-  // count. (A pass of its own read every row again, from L3 at best: as long as the dx pass.)
+  // they are in cache, and the chunks' sums join the total in chunk order: the same bits for any
+  // thread count. (A pass of its own read every row again, from L3 at best: as long as the dx
+  // pass.) The chunk sums wait in a buffer of a wave of chunks, 256 KiB or a few per thread,
+  // whatever the row count; the wave's size changes no bit.
   const int64_t chunks = (rows + kReduceChunk - 1) / kReduceChunk;
-  std::vector<double> partial(static_cast<size_t>(chunks * dim));
-  parallel_for(0, chunks, [&](int64_t c) {
-    const int64_t lo = c * kReduceChunk, hi = std::min(rows, lo + kReduceChunk);
-    for (int64_t r = lo; r < hi; ++r)
-      rmsnorm_backward_row(x + r * dim, w, rstd[r], dy + r * dim, dx + r * dim, dim);
-    scaled_product_column_sums(x + lo * dim, dy + lo * dim, rstd + lo, hi - lo, dim, dim,
-                               partial.data() + c * dim);
-  });
+  const int64_t wave = std::max<int64_t>(2 * num_threads(), (int64_t{1} << 15) / std::max<int64_t>(dim, 1));
+  std::vector<double> partial(static_cast<size_t>(std::min(wave, chunks) * dim));
   std::vector<double> total(static_cast<size_t>(dim), 0.0);
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int64_t j = 0; j < dim; ++j) total[static_cast<size_t>(j)] += partial[static_cast<size_t>(c * dim + j)];
+  for (int64_t c0 = 0; c0 < chunks; c0 += wave) {
+    const int64_t n = std::min(wave, chunks - c0);
+    parallel_for(0, n, [&](int64_t i) {
+      const int64_t lo = (c0 + i) * kReduceChunk, hi = std::min(rows, lo + kReduceChunk);
+      for (int64_t r = lo; r < hi; ++r)
+        rmsnorm_backward_row(x + r * dim, w, rstd[r], dy + r * dim, dx + r * dim, dim);
+      scaled_product_column_sums(x + lo * dim, dy + lo * dim, rstd + lo, hi - lo, dim, dim,
+                                 partial.data() + i * dim);
+    });
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < dim; ++j)
+        total[static_cast<size_t>(j)] += partial[static_cast<size_t>(i * dim + j)];
+  }
   for (int64_t j = 0; j < dim; ++j) dw[j] += static_cast<float>(total[static_cast<size_t>(j)]);
 }
 
