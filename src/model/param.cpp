@@ -34,21 +34,22 @@ const Param& mxfp4_scales_after(const ParamList& params, size_t data_index) {
   return *params[data_index + 1];
 }
 
-void zero_grads(const ParamList& params) {
-  constexpr int64_t kChunk = int64_t{1} << 18;  // floats per work item (1 MiB)
-  struct Piece {
-    float* at;
-    int64_t n;
-  };
-  std::vector<Piece> pieces;
+std::vector<GradPiece> gradient_pieces(const ParamList& params, int64_t chunk) {
+  std::vector<GradPiece> pieces;
   for (const Param* p : params) {
     if (!p->grad.defined()) continue;
     float* g = p->g();
     const int64_t n = p->grad.numel();
-    for (int64_t i = 0; i < n; i += kChunk) pieces.push_back({g + i, std::min(kChunk, n - i)});
+    for (int64_t i = 0; i < n; i += chunk) pieces.push_back({g + i, std::min(chunk, n - i)});
   }
+  return pieces;
+}
+
+void zero_grads(const ParamList& params) {
+  constexpr int64_t kChunk = int64_t{1} << 18;  // floats per work item (1 MiB)
+  const std::vector<GradPiece> pieces = gradient_pieces(params, kChunk);
   parallel_for(0, static_cast<int64_t>(pieces.size()), [&](int64_t i) {
-    const Piece& q = pieces[static_cast<size_t>(i)];
+    const GradPiece& q = pieces[static_cast<size_t>(i)];
     std::memset(q.at, 0, sizeof(float) * static_cast<size_t>(q.n));
   });
 }

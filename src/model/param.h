@@ -47,6 +47,14 @@ struct Param {
 
 using ParamList = std::vector<Param*>;
 
+// The gradients of `params` (those that have one) cut into pieces of at most `chunk` values,
+// parameter by parameter and in order: the work items of a pass over every gradient.
+struct GradPiece {
+  float* at;
+  int64_t n;
+};
+std::vector<GradPiece> gradient_pieces(const ParamList& params, int64_t chunk);
+
 // Zeroes the gradients of `params` (those that have one), spread over the threads: a step's
 // gradients are as large as the model, too much for one thread's memset.
 void zero_grads(const ParamList& params);

@@ -50,19 +50,10 @@ double grad_sum_squares(const ParamList& params) {
   // nor the SIMD target. One loop over every chunk of every gradient: a loop per parameter
   // left the threads waiting at hundreds of loop ends a step.
   constexpr int64_t kChunk = int64_t{1} << 16;
-  struct Piece {
-    const float* at;
-    int64_t n;
-  };
-  std::vector<Piece> pieces;
-  for (const Param* p : params) {
-    if (!p->grad.defined()) continue;
-    const int64_t n = p->grad.numel();
-    for (int64_t i = 0; i < n; i += kChunk) pieces.push_back({p->g() + i, std::min(kChunk, n - i)});
-  }
+  const std::vector<GradPiece> pieces = gradient_pieces(params, kChunk);
   std::vector<double> partial(pieces.size(), 0.0);
   parallel_for_dynamic(0, static_cast<int64_t>(pieces.size()), [&](int64_t c) {
-    const Piece& q = pieces[static_cast<size_t>(c)];
+    const GradPiece& q = pieces[static_cast<size_t>(c)];
     partial[static_cast<size_t>(c)] = sum_of_squares(q.at, q.n);
   });
   double total = 0;
