@@ -37,6 +37,8 @@
 //   bytes; then the 16 lane corrections and the 16 lane half-scales.
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -331,9 +333,9 @@ MOE_Q8_AVX512_BASE inline void tree16_x4(const __m512* v, float* out) {
 // rows ahead in each gave the most: 0.81-0.87 of the DRAM read, against 0.66-0.72 with adjacent
 // rows; 1, 4, 16 and 64 rows ahead per stream gave 0.78-0.80, 0.74-0.83, 0.70-0.83, 0.63-0.69.
 //
-// 2^(e-127) is built as the float with exponent field e, right for scale bytes 1..254 only; the
-// tiles note a byte 0 (2^-127, a subnormal) or 255 (NaN) and say so, and the caller redoes the
-// tile with the scalar code. The test runs on the integer units, which the vector-bound loop
+// The AVX-512 tile builds 2^(e-127) as the float with exponent field e, right for scale bytes
+// 1..254 only; it notes a byte 0 (2^-127, a subnormal) or 255 (NaN) and says so, and the caller
+// redoes the tile with the scalar code. The test runs on the integer units, which the vector-bound loop
 // leaves idle (the same test in vector registers cost 7% on AVX-512).
 struct ScaleRange {
   uint32_t seen = 0;  // bit 7 of a byte: some scale byte there was 0 or 255
@@ -410,28 +412,65 @@ MOE_Q8_AVX512_VNNI bool tile_avx512_vnni(const QSpan* const* xq, int64_t spans,
 
 #define MOE_Q8_AVX2 __attribute__((target("avx2,fma")))
 
+// The tile's constants, read as memory operands: AVX2 has 16 vector registers, and with the
+// constants and one span of x held in registers GCC kept the tile's accumulators on the stack
+// (a load and a store around every FMA).
+struct alignas(32) Avx2Constants {
+  int8_t low4[32];
+  int16_t ones[16];
+};
+constexpr Avx2Constants kAvx2Constants = {
+    {0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F,
+     0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F},
+    {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}};
+
+// 2^(e-127) for every scale byte e (e8m0_value: 0 gives the subnormal 2^-127, 255 NaN), four
+// times, so that the 8 lanes of a half (lanes 0-3 under one block's scale, 4-7 under the next)
+// are two 16-byte loads and an insert: one vector operation where building the floats from the
+// bytes took two, and every byte is exact, so this tile needs no edge-byte fallback.
+struct alignas(16) ScaleQuad {
+  float v[4];
+};
+constexpr auto kScaleQuads = [] {
+  std::array<ScaleQuad, 256> t{};
+  for (uint32_t e = 0; e < 256; ++e) {
+    const uint32_t bits = e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23;
+    for (float& f : t[e].v) f = std::bit_cast<float>(bits);
+  }
+  return t;
+}();
+
+// Hides where p points from the optimizer, so that what is read through it is read where it is
+// used (a memory operand) rather than kept in a register from an earlier read.
+template <typename T>
+inline const T* opaque(const T* p) {
+  asm("" : "+r"(p));
+  return p;
+}
+
 template <int A, int B>
 MOE_Q8_AVX2 __attribute__((always_inline)) inline void span_avx2(
-    const QSpan* const* xq, int64_t s, int b, const __m256i* halves, int32_t e4, __m256i table,
-    const __m256i* spread, ScaleRange& range, __m256 (*acc)[2]) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  range.add(e4);
+    const QSpan* const* xq, int64_t s, int b, const __m256i* halves, const uint8_t* scales,
+    __m256i table, __m256 (*acc)[2]) {
+  const Avx2Constants* k = opaque(&kAvx2Constants);
+  const auto* low4 = reinterpret_cast<const __m256i*>(k->low4);
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
     const __m256i v = halves[h];
-    const __m256i w_even = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
-    const __m256i w_odd = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-    const __m256 ws = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_shuffle_epi8(_mm256_set1_epi32(e4), spread[h]), 23));
+    const __m256i w_even = _mm256_shuffle_epi8(table, _mm256_and_si256(v, _mm256_load_si256(low4)));
+    const __m256i w_odd = _mm256_shuffle_epi8(
+        table, _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_load_si256(low4)));
+    const __m256 ws = _mm256_insertf128_ps(
+        _mm256_castps128_ps256(_mm_load_ps(kScaleQuads[scales[2 * h]].v)),
+        _mm_load_ps(kScaleQuads[scales[2 * h + 1]].v), 1);
 #pragma GCC unroll 8
     for (int a = 0; a < A; ++a) {
-      const QSpan& q = xq[a][s];
+      const QSpan& q = *opaque(&xq[a][s]);
       const __m256i pairs = _mm256_add_epi16(
           _mm256_maddubs_epi16(w_even, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.even + 32 * h))),
           _mm256_maddubs_epi16(w_odd, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.odd + 32 * h))));
       const __m256i sums = _mm256_add_epi32(
-          _mm256_madd_epi16(pairs, ones),
+          _mm256_madd_epi16(pairs, _mm256_load_si256(reinterpret_cast<const __m256i*>(k->ones))),
           _mm256_load_si256(reinterpret_cast<const __m256i*>(q.corr + 8 * h)));
       const __m256 c = _mm256_mul_ps(_mm256_load_ps(q.sxh + 8 * h), ws);
       acc[a * B + b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), c, acc[a * B + b][h]);
@@ -444,13 +483,6 @@ MOE_Q8_AVX2 bool tile_avx2(const QSpan* const* xq, int64_t spans, const RowSpans
                            float* out) {
   const __m256i table =
       _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kWeightTable)));
-  // Half h: lane l of the half (128-bit lane l/4) takes scale byte 2h + l/4.
-  const __m256i spread[2] = {
-      _mm256_setr_epi32(0x80808000, 0x80808000, 0x80808000, 0x80808000, 0x80808001, 0x80808001,
-                        0x80808001, 0x80808001),
-      _mm256_setr_epi32(0x80808002, 0x80808002, 0x80808002, 0x80808002, 0x80808003, 0x80808003,
-                        0x80808003, 0x80808003)};
-  ScaleRange range;
   __m256 acc[A * B][2];
 #pragma GCC unroll 16
   for (int i = 0; i < A * B; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -461,9 +493,7 @@ MOE_Q8_AVX2 bool tile_avx2(const QSpan* const* xq, int64_t spans, const RowSpans
       _mm_prefetch(reinterpret_cast<const char*>(rows[b].ahead + s * kSpanBytes), _MM_HINT_T1);
       const auto* p = reinterpret_cast<const __m256i*>(rows[b].packed + s * kSpanBytes);
       const __m256i halves[2] = {_mm256_loadu_si256(p), _mm256_loadu_si256(p + 1)};
-      int32_t e4;
-      std::memcpy(&e4, rows[b].scales + s * kSpanScales, 4);
-      span_avx2<A, B>(xq, s, b, halves, e4, table, spread, range, acc);
+      span_avx2<A, B>(xq, s, b, halves, rows[b].scales + s * kSpanScales, table, acc);
     }
   }
   if (spans > full) {
@@ -478,7 +508,10 @@ MOE_Q8_AVX2 bool tile_avx2(const QSpan* const* xq, int64_t spans, const RowSpans
       // (p + 8 is not formed unless the second half has bytes: it may lie past the buffer.)
       const __m256i halves[2] = {_mm256_maskload_epi32(p, mask[0]),
                                  bytes > 32 ? _mm256_maskload_epi32(p + 8, mask[1]) : _mm256_setzero_si256()};
-      span_avx2<A, B>(xq, full, b, halves, rows[b].tail_scales(), table, spread, range, acc);
+      const int32_t e4 = rows[b].tail_scales();
+      uint8_t scales[kSpanScales];
+      std::memcpy(scales, &e4, sizeof scales);
+      span_avx2<A, B>(xq, full, b, halves, scales, table, acc);
     }
   }
 #pragma GCC unroll 16
@@ -488,7 +521,7 @@ MOE_Q8_AVX2 bool tile_avx2(const QSpan* const* xq, int64_t spans, const RowSpans
     _mm256_store_ps(lanes + 8, acc[i][1]);
     out[i] = tree16(lanes);
   }
-  return range.ordinary();
+  return true;
 }
 
 #pragma GCC diagnostic pop
@@ -497,8 +530,8 @@ MOE_Q8_AVX2 bool tile_avx2(const QSpan* const* xq, int64_t spans, const RowSpans
 
 using TileFn = bool (*)(const QSpan* const*, int64_t, const RowSpans*, float*);
 
-// Tiles of A x rows × B W rows. A vector tile that met an edge scale byte says so (its result is
-// then wrong) and the scalar tile, which gives the contract's bits for every byte, redoes it.
+// Tiles of A x rows × B W rows. The AVX-512 tile says when it met an edge scale byte (its result
+// is then wrong), and the scalar tile, which gives the contract's bits for every byte, redoes it.
 template <int A, int B>
 void run(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y, int64_t ldy,
          bool accumulate, TileFn tile) {
