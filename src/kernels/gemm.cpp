@@ -311,23 +311,34 @@ struct PackedB {
 };
 
 // C rows [i0, i1) × columns [j0, j1) (j0 - jc a multiple of kNr) over all of K in blocks of kcb:
-// per K block, the row block's A micro-panels are packed, then each meets every B panel of the
-// columns. The C block (≤ kMc rows) stays in L2 from one K block to the next.
+// per K block, the row block's A micro-panels are packed, then each meets the B panels of one
+// slice of the columns after another. A slice's panels (at most kSliceBytes) stay in L2 while
+// all the micro-panels pass over them; over a whole column block (2 MiB per K block on AVX-512)
+// every micro-panel streamed them from L3 again: 2048³ on two threads of a Zen 5 went from
+// 463-476 to 480-484 GFLOP/s (nn, nt) and 457-462 to 470-472 (tn). The C block (≤ kMc rows)
+// stays in L2 from one K block to the next.
+constexpr int64_t kSliceBytes = 512 * 1024;
+
 void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, int64_t i1,
                    int64_t j0, int64_t j1, float* abuf) {
   const bool k_major = p.layout == Layout::TN;
+  const int64_t panels = ceil_div(j1 - j0, kNr);
   for (int64_t pc = 0, kb = 0; pc < p.K; pc += kcb, ++kb) {
     const int64_t kc = std::min(kcb, p.K - pc);
     const bool load_c = p.accumulate || pc > 0;
+    // Slices of equal width (in panels), each within kSliceBytes of packed B.
+    const int64_t most = std::max<int64_t>(1, kSliceBytes / (kc * kNr * static_cast<int64_t>(sizeof(float))));
+    const int64_t slice = ceil_div(panels, ceil_div(panels, most)) * kNr;
     pack_a(p, i0, i1, pc, kc, abuf);
-    for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
-      const size_t rows = static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1);
-      for (int64_t j = j0; j < j1; j += kNr) {
-        const int64_t cols = std::min(kNr, j1 - j);
-        kMicroKernels[k_major][cols == kNr][rows](abuf + q * kAPanel, b.panel(kb, kc, j), kc,
-                                                  p.C + i * p.ldc + j, p.ldc, load_c, cols);
+    for (int64_t js = j0; js < j1; js += slice)
+      for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
+        const size_t rows = static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1);
+        for (int64_t j = js; j < std::min(j1, js + slice); j += kNr) {
+          const int64_t cols = std::min(kNr, j1 - j);
+          kMicroKernels[k_major][cols == kNr][rows](abuf + q * kAPanel, b.panel(kb, kc, j), kc,
+                                                    p.C + i * p.ldc + j, p.ldc, load_c, cols);
+        }
       }
-    }
   }
 }
 
