@@ -121,6 +121,32 @@ constexpr int64_t kMc = 4 * kMr;
 
 HWY_INLINE void transpose_square(V* r) { TransposeSquare<static_cast<int>(kN)>(D(), r); }
 
+// The square of rows [0, rows) × columns [0, kn) at src (row stride ld), zero elsewhere,
+// transposed in registers and handed to use(r): r[c] holds column c. Full squares, the common
+// case, load without a branch per row and get their own copy of `use`: with the branches in
+// the same path GCC kept all kN rows on the stack between the loads and the transpose.
+template <class Use>
+HWY_INLINE void with_transposed_square(const float* src, int64_t ld, int64_t rows, int64_t kn,
+                                       const Use& use) {
+  const D d;
+  V r[kN];
+  if (rows == kN && kn == kN) {
+#pragma GCC unroll 16
+    for (int q = 0; q < kN; ++q) r[q] = hn::LoadU(d, src + q * ld);
+    transpose_square(r);
+    use(r);
+    return;
+  }
+#pragma GCC unroll 16
+  for (int q = 0; q < kN; ++q) {
+    if (q >= rows) r[q] = hn::Zero(d);
+    else if (kn == kN) r[q] = hn::LoadU(d, src + q * ld);
+    else r[q] = hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(kn)), d, src + q * ld);
+  }
+  transpose_square(r);
+  use(r);
+}
+
 // Packs B(k, j) for k in [pc, pc + kc), j in [jc, jc + nc) into panels of kNr columns,
 // out[(panel·kc + k)·kNr + column in panel]; columns past nc are zero. Only panels [jp0, jp1)
 // are written, so several threads can pack one block.
@@ -153,16 +179,12 @@ void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, in
       const int64_t rows = std::clamp<int64_t>(jc + nc - j0, 0, kN);
       for (int64_t k0 = 0; k0 < kc; k0 += kN) {
         const int64_t kn = std::min(kN, kc - k0);
-        V r[kN];
+        float* dst = panel + k0 * kNr + v * kN;
+        with_transposed_square(p.B + j0 * p.ldb + pc + k0, p.ldb, rows, kn, [&](const V* r) {
 #pragma GCC unroll 16
-        for (int q = 0; q < kN; ++q) {
-          const float* src = p.B + (j0 + q) * p.ldb + pc + k0;
-          if (q >= rows) r[q] = hn::Zero(d);
-          else if (kn == kN) r[q] = hn::LoadU(d, src);
-          else r[q] = hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(kn)), d, src);
-        }
-        transpose_square(r);
-        for (int64_t q = 0; q < kn; ++q) hn::Store(r[q], d, panel + (k0 + q) * kNr + v * kN);
+          for (int64_t q = 0; q < kN; ++q)
+            if (q < kn) hn::Store(r[q], d, dst + q * kNr);
+        });
       }
     }
   }
@@ -445,23 +467,12 @@ void skinny_columns(const Problem& p, int64_t j0) {
     acc[i] = p.accumulate ? hn::MaskedLoad(col_mask, d, p.C + i * p.ldc + j0) : hn::Zero(d);
   for (int64_t k0 = 0; k0 < p.K; k0 += kN) {
     const int64_t kn = std::min(kN, p.K - k0);
-    V r[kN];
+    with_transposed_square(p.B + j0 * p.ldb + k0, p.ldb, rows, kn, [&](const V* r) {
 #pragma GCC unroll 16
-    for (int q = 0; q < kN; ++q) {
-      const float* src = p.B + (j0 + q) * p.ldb + k0;
-      if (q >= rows) r[q] = hn::Zero(d);
-      else if (kn == kN) r[q] = hn::LoadU(d, src);
-      else r[q] = hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(kn)), d, src);
-    }
-    transpose_square(r);
-    if (kn == kN) {
-#pragma GCC unroll 16
-      for (int q = 0; q < kN; ++q)
-        for (int i = 0; i < M; ++i) acc[i] = hn::MulAdd(hn::Set(d, p.A[i * p.lda + k0 + q]), r[q], acc[i]);
-    } else {
-      for (int64_t q = 0; q < kn; ++q)
-        for (int i = 0; i < M; ++i) acc[i] = hn::MulAdd(hn::Set(d, p.A[i * p.lda + k0 + q]), r[q], acc[i]);
-    }
+      for (int64_t q = 0; q < kN; ++q)
+        if (q < kn)
+          for (int i = 0; i < M; ++i) acc[i] = hn::MulAdd(hn::Set(d, p.A[i * p.lda + k0 + q]), r[q], acc[i]);
+    });
   }
   for (int i = 0; i < M; ++i) hn::BlendedStore(acc[i], col_mask, d, p.C + i * p.ldc + j0);
 }
