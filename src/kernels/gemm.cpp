@@ -349,7 +349,8 @@ void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, 
     const int64_t kc = std::min(kcb, p.K - pc);
     const bool load_c = p.accumulate || pc > 0;
     // Slices of equal width (in panels), each within kSliceBytes of packed B.
-    const int64_t most = std::max<int64_t>(1, kSliceBytes / (kc * kNr * static_cast<int64_t>(sizeof(float))));
+    const int64_t panel_bytes = kc * kNr * static_cast<int64_t>(sizeof(float));
+    const int64_t most = std::max<int64_t>(1, kSliceBytes / panel_bytes);
     const int64_t slice = ceil_div(panels, ceil_div(panels, most)) * kNr;
     pack_a(p, i0, i1, pc, kc, abuf);
     for (int64_t js = j0; js < j1; js += slice)
@@ -471,7 +472,8 @@ void skinny_columns(const Problem& p, int64_t j0) {
 #pragma GCC unroll 16
       for (int64_t q = 0; q < kN; ++q)
         if (q < kn)
-          for (int i = 0; i < M; ++i) acc[i] = hn::MulAdd(hn::Set(d, p.A[i * p.lda + k0 + q]), r[q], acc[i]);
+          for (int i = 0; i < M; ++i)
+            acc[i] = hn::MulAdd(hn::Set(d, p.A[i * p.lda + k0 + q]), r[q], acc[i]);
     });
   }
   for (int i = 0; i < M; ++i) hn::BlendedStore(acc[i], col_mask, d, p.C + i * p.ldc + j0);

@@ -335,8 +335,8 @@ MOE_Q8_AVX512_BASE inline void tree16_x4(const __m512* v, float* out) {
 //
 // The AVX-512 tile builds 2^(e-127) as the float with exponent field e, right for scale bytes
 // 1..254 only; it notes a byte 0 (2^-127, a subnormal) or 255 (NaN) and says so, and the caller
-// redoes the tile with the scalar code. The test runs on the integer units, which the vector-bound loop
-// leaves idle (the same test in vector registers cost 7% on AVX-512).
+// redoes the tile with the scalar code. The test runs on the integer units, which the
+// vector-bound loop leaves idle (the same test in vector registers cost 7% on AVX-512).
 struct ScaleRange {
   uint32_t seen = 0;  // bit 7 of a byte: some scale byte there was 0 or 255
   void add(int32_t e) {
@@ -419,10 +419,12 @@ struct alignas(32) Avx2Constants {
   int8_t low4[32];
   int16_t ones[16];
 };
-constexpr Avx2Constants kAvx2Constants = {
-    {0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F,
-     0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F},
-    {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}};
+constexpr Avx2Constants kAvx2Constants = [] {
+  Avx2Constants c{};
+  for (int8_t& v : c.low4) v = 0x0F;
+  for (int16_t& v : c.ones) v = 1;
+  return c;
+}();
 
 // 2^(e-127) for every scale byte e (e8m0_value: 0 gives the subnormal 2^-127, 255 NaN), four
 // times, so that the 8 lanes of a half (lanes 0-3 under one block's scale, 4-7 under the next)
