@@ -5,6 +5,8 @@
 // element 2i+1 in the high nibble, so checkpoint bytes are used as they are (no repacking).
 //
 // A row of n elements (n % 32 == 0) is n/2 data bytes plus n/32 scale bytes.
+#include <array>
+#include <bit>
 #include <cstdint>
 
 namespace moe::mxfp4 {
@@ -17,6 +19,16 @@ float e2m1_value(uint8_t nibble);
 
 // E8M0 scale byte: 2^(e-127) exactly. 0xFF is NaN; 0 is 2^-127 (a subnormal float, not zero).
 float e8m0_value(uint8_t scale);
+
+// The same for all 256 bytes as a compile-time table, built from bit patterns (the normal float
+// with exponent field e for e in 1..254, the subnormal 0x00400000 for 0, NaN for 255), for the
+// kernels' scale lookups; e8m0_value stays the reference they are tested against.
+inline constexpr std::array<float, 256> kE8m0Floats = [] {
+  std::array<float, 256> t{};
+  for (uint32_t e = 0; e < 256; ++e)
+    t[e] = std::bit_cast<float>(e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23);
+  return t;
+}();
 
 // Nearest E2M1 code of v (v already divided by the block scale): ties to the even code,
 // magnitudes above 6 (Inf included) saturate to ±6. The sign is kept, so negative values that

@@ -77,15 +77,6 @@ inline constexpr int64_t kMc = 128;
 // nn contraction chunk (rows of W): accumulators are stored into dx once per chunk.
 inline constexpr int64_t kKr = 256;
 
-// E8M0 byte -> float for all 256 bytes, built from bit patterns: 2^(e-127) is the normal float
-// with exponent field e for e in 1..254, the subnormal 0x00400000 for e = 0, and NaN for 255.
-inline constexpr std::array<float, 256> kScale = [] {
-  std::array<float, 256> t{};
-  for (uint32_t e = 0; e < 256; ++e)
-    t[e] = std::bit_cast<float>(e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23);
-  return t;
-}();
-
 alignas(64) inline constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,
                                                 4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,
                                                 -2.0f, -3.0f, -4.0f, -6.0f};
@@ -103,7 +94,7 @@ struct ScaledE2M1 {
   ScaledE2M1() {
     for (int e = 0; e < 256; ++e)
       for (int i = 0; i < 16; ++i) {
-        volatile float s = kScale[e];
+        volatile float s = mxfp4::kE8m0Floats[e];
         v[e][i] = kE2M1[i] * s;
         const uint32_t bits = std::bit_cast<uint32_t>(v[e][i]);
         lo[e][i] = lo[e][i + 16] = static_cast<uint8_t>(bits >> 16);

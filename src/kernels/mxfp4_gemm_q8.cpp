@@ -38,7 +38,6 @@
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -426,8 +425,8 @@ constexpr Avx2Constants kAvx2Constants = [] {
   return c;
 }();
 
-// 2^(e-127) for every scale byte e (e8m0_value: 0 gives the subnormal 2^-127, 255 NaN), four
-// times, so that the 8 lanes of a half (lanes 0-3 under one block's scale, 4-7 under the next)
+// 2^(e-127) for every scale byte e (mxfp4::kE8m0Floats: 0 gives the subnormal 2^-127, 255
+// NaN), four times, so that the 8 lanes of a half (lanes 0-3 under one block's scale, 4-7 under the next)
 // are two 16-byte loads and an insert: one vector operation where building the floats from the
 // bytes took two, and every byte is exact, so this tile needs no edge-byte fallback.
 struct alignas(16) ScaleQuad {
@@ -435,10 +434,8 @@ struct alignas(16) ScaleQuad {
 };
 constexpr auto kScaleQuads = [] {
   std::array<ScaleQuad, 256> t{};
-  for (uint32_t e = 0; e < 256; ++e) {
-    const uint32_t bits = e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23;
-    for (float& f : t[e].v) f = std::bit_cast<float>(bits);
-  }
+  for (size_t e = 0; e < 256; ++e)
+    for (float& f : t[e].v) f = mxfp4::kE8m0Floats[e];
   return t;
 }();
 
