@@ -972,10 +972,18 @@ void run_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, floa
         sstride[j] = real ? w.scale_stride : 0;
       }
       if constexpr (!kFused) {
-        for (int64_t r = 0; r < rc; ++r)
+        // The panel reads NB · 16 bytes of each of rc rows, a row apart, and the hardware
+        // prefetchers leave most of those lines to wait on DRAM. Each row prefetches its next
+        // 64 bytes (128 columns on): a strip or two later the panel reads them. Cold 1024 × 704
+        // experts, 64 rows, two threads (Zen 5, AVX-512): 364-397 -> 404-420 GFLOP/s; AVX2 the same.
+        const int64_t c_ahead = c0 + 128;
+        for (int64_t r = 0; r < rc; ++r) {
+          const uint8_t* ahead =
+              c_ahead < w.cols ? w.packed + (r0 + r) * w.packed_stride + c_ahead / 2 : nullptr;
           for (int64_t j = 0; j < NB; ++j)
             decode_blocks(wp[j] + r * wstride[j], ws[j] + r * sstride[j], 1,
-                          panel + (r * NB + j) * kBlock);
+                          panel + (r * NB + j) * kBlock, j == 0 ? ahead : nullptr);
+        }
       }
       for (int64_t i0 = 0; i0 < m; i0 += A) {
         const int64_t na = std::min<int64_t>(A, m - i0);
