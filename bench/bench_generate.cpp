@@ -192,8 +192,9 @@ int main(int argc, char** argv) {
     dram = std::max(dram, measure_dram_read_gbs(threads));
   }
   model.set_expert_activations(ExpertActivations::Fp32);
-  fmt::print("DRAM read {:.1f} GB/s (the best of {} reads, one before and one after each round)\n\n",
-             dram, rounds + 1);
+  fmt::print(
+      "DRAM read {:.1f} GB/s (the best of {} reads, one before and one after each round)\n\n",
+      dram, rounds + 1);
   const double prefill_flops =
       2.0 * (cost.macs * static_cast<double>(prefill_n) + attention_macs(cfg, 0, prefill_n));
   for (size_t i = 0; i < modes.size(); ++i) {

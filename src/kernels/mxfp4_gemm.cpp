@@ -974,8 +974,9 @@ void run_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, floa
       if constexpr (!kFused) {
         // The panel reads NB · 16 bytes of each of rc rows, a row apart, and the hardware
         // prefetchers leave most of those lines to wait on DRAM. Each row prefetches its next
-        // 64 bytes (128 columns on): a strip or two later the panel reads them. Cold 1024 × 704
-        // experts, 64 rows, two threads (Zen 5): AVX-512 364-397 -> 404-420 GFLOP/s, AVX2 unchanged.
+        // 64 bytes (128 columns on), which the panel reads 2 (NB = 2) or 4 (NB = 1) strips
+        // later. Cold 1024 × 704 experts, 64 rows, two threads (Zen 5): AVX-512 364-397 ->
+        // 404-420 GFLOP/s, AVX2 unchanged.
         const int64_t c_ahead = c0 + 128;
         for (int64_t r = 0; r < rc; ++r) {
           const uint8_t* ahead =

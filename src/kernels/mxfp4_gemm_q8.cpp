@@ -426,9 +426,9 @@ constexpr Avx2Constants kAvx2Constants = [] {
 }();
 
 // 2^(e-127) for every scale byte e (mxfp4::kE8m0Floats: 0 gives the subnormal 2^-127, 255
-// NaN), four times, so that the 8 lanes of a half (lanes 0-3 under one block's scale, 4-7 under the next)
-// are two 16-byte loads and an insert: one vector operation where building the floats from the
-// bytes took two, and every byte is exact, so this tile needs no edge-byte fallback.
+// NaN), four times, so that the 8 lanes of a half (lanes 0-3 under one block's scale, 4-7 under
+// the next) are two 16-byte loads and an insert: one vector operation where building the floats
+// from the bytes took two, and every byte is exact, so this tile needs no edge-byte fallback.
 struct alignas(16) ScaleQuad {
   float v[4];
 };
