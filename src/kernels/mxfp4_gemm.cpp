@@ -180,15 +180,21 @@ class BlockDecoder {
 #if HWY_TARGET == HWY_AVX2
     if constexpr (N == 8) {
       // In-lane byte shuffles instead of group()'s cross-lane vpermps and sign arithmetic:
-      // 11 instructions per block instead of 20 (1.5x the decode rate, bench_mxfp4_decode).
-      // 1. The 32 nibbles as bytes, ordered so the unpacks in 3. give group()'s vectors: lane 0
-      //    holds the low nibbles of bytes 0-3, their high nibbles, then the same of bytes 8-11;
-      //    lane 1 the same of bytes 4-7 and 12-15.
+      // 11 instructions per block instead of 20, 5 of them shuffles. Zen 3 and Zen 4 run
+      // shuffles and shifts on the same two pipes, where the 9-shuffle form of this decode
+      // was bound; Zen 5 runs unpacks on four pipes and either form at the same speed
+      // (docs/PERF.md, session 23).
+      // 1. The 32 nibbles as bytes. Each 128-bit lane holds 8 packed bytes twice: lane 0 bytes
+      //    0, 8, 1, 9, 2, 10, 3, 11, lane 1 bytes 4, 12, ..., 7, 15. Their first copy keeps its
+      //    low nibbles and the second its high ones (the shift is per 32-bit lane), so after
+      //    the unpacks in 3. each float's even and odd 16-bit halves come out as group()'s
+      //    vectors: even halves of the first unpack are e[0], odd halves e[1], and the second
+      //    unpack gives the high nibbles of the same bytes, o[0] and o[1].
       const __m256i src =
           _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-      const __m256i order = _mm256_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 8, 9, 10, 11, 8, 9, 10, 11,
-                                             4, 5, 6, 7, 4, 5, 6, 7, 12, 13, 14, 15, 12, 13, 14, 15);
-      const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+      const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 0, 8, 1, 9, 2, 10, 3, 11,
+                                             4, 12, 5, 13, 6, 14, 7, 15, 4, 12, 5, 13, 6, 14, 7, 15);
+      const __m256i shifts = _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4);
       const __m256i nibbles = _mm256_and_si256(
           _mm256_srlv_epi32(_mm256_shuffle_epi8(src, order), shifts), _mm256_set1_epi8(0x0F));
       // 2. Bytes 2 and 3 of each decoded float.
@@ -196,13 +202,14 @@ class BlockDecoder {
           _mm256_load_si256(reinterpret_cast<const __m256i*>(kScaledE2M1.lo[scale_])), nibbles);
       const __m256i hi = _mm256_shuffle_epi8(
           _mm256_load_si256(reinterpret_cast<const __m256i*>(kScaledE2M1.hi[scale_])), nibbles);
-      // 3. Into the top half of each 32-bit lane.
+      // 3. 16-bit halves of floats; a shift or a mask moves each into the top of its 32-bit
+      //    lane (shift and logic pipes instead of four more shuffles).
       const __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
-      const __m256i zero = _mm256_setzero_si256();
-      e[0] = V{_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w0))};
-      o[0] = V{_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w0))};
-      e[1] = V{_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w1))};
-      o[1] = V{_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w1))};
+      const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+      e[0] = V{_mm256_castsi256_ps(_mm256_slli_epi32(w0, 16))};
+      e[1] = V{_mm256_castsi256_ps(_mm256_and_si256(w0, top))};
+      o[0] = V{_mm256_castsi256_ps(_mm256_slli_epi32(w1, 16))};
+      o[1] = V{_mm256_castsi256_ps(_mm256_and_si256(w1, top))};
       return;
     }
 #endif
