@@ -7,7 +7,9 @@
 // sanitizer build runs fewer: its quarantine makes each step slower, not the check weaker).
 //
 // Per phase: after every iteration no routing bytes are tracked and no layer keeps saved state;
-// the tracked bytes (per category) after iteration 10 equal those after the last one. Steps
+// the tracked bytes (per category) after iteration 10 equal those after the last one (in a
+// fine-tune the kernel workspace may instead rise with the routing, up to the memory plan's
+// bound: expect_flat). Steps
 // 1–10 are the warm-up: AdamW moments, MPI buffers and allocator pools settle there, so any
 // difference after that point is a per-step leak. Each rank has its own batch, so the
 // all-to-all exchanges are uneven, and the router biases move every training step, so the
