@@ -76,6 +76,11 @@ int64_t last_level_cache_bytes() {
   return l3 > 0 ? l3 : int64_t{64} << 20;
 }
 
+int64_t l2_cache_bytes() {
+  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return l2 > 0 ? l2 : int64_t{1} << 20;
+}
+
 double measure_dram_read_gbs(int threads) {
   threads = std::max(threads, 1);
   const auto llc = static_cast<size_t>(last_level_cache_bytes());

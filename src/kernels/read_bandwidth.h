@@ -14,6 +14,10 @@ namespace moe {
 // exceed many times over to be measured from DRAM.
 int64_t last_level_cache_bytes();
 
+// One core's L2 size (1 MiB where the system does not say): what a working set meant to stay
+// next to the core must fit.
+int64_t l2_cache_bytes();
+
 // GB/s read by `threads` threads together, best of 5 passes over max(1 GiB, 4 × the last-level
 // cache).
 double measure_dram_read_gbs(int threads);
