@@ -181,8 +181,9 @@ class BlockDecoder {
     if constexpr (N == 8) {
       // In-lane byte shuffles instead of group()'s cross-lane vpermps and sign arithmetic:
       // 11 instructions per block instead of 20, 5 of them shuffles. An older form used 9
-      // shuffles, which bind cores with one or two shuffle pipes; Zen 5 runs unpacks on four
-      // pipes and both forms at the same speed (docs/PERF.md, session 23).
+      // shuffles, which bind cores with two shuffle pipes: on Zen 3 this one is 8-9% faster at
+      // one x row (docs/PERF.md, session 24); Zen 5 runs unpacks on four pipes and both forms at
+      // the same speed (session 23).
       // 1. The 32 nibbles as bytes. Each 128-bit lane holds 8 packed bytes twice: lane 0 bytes
       //    0, 8, 1, 9, 2, 10, 3, 11, lane 1 bytes 4, 12, ..., 7, 15. Their first copy keeps its
       //    low nibbles and the second its high ones (the shift is per 32-bit lane), so after
