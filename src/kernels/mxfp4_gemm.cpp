@@ -385,18 +385,25 @@ HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const*
   // 4 blocks per trip, the prefetches without a branch: on a 1024 × 1024 matrix in L2 (Zen 5),
   // one x row went from 2.85 to 2.72 cycles per block and W row on AVX-512, two rows on AVX2
   // from 9.2 to 8.5; 4 and 8 rows were unchanged. (`step` must be inlined: called, it cost AVX2
-  // a fifth.)
+  // a fifth.) Except AVX2 at one x row, where one block per trip is 8-9% faster (Zen 3, 256 ×
+  // 1024 in L2: 2.21-2.27 against 2.42-2.53 ns per block and W row; docs/PERF.md, session 24).
+  constexpr bool kBlocksPerTrip4 = !(kN == 8 && A == 1);
   const int64_t blocks = cc / kBlock;
   int64_t k = 0;
-  for (; k + 4 <= blocks; k += 4) {
-    prefetch(k);
-    step(k);
-    step(k + 1);
-    step(k + 2);
-    step(k + 3);
+  if constexpr (kBlocksPerTrip4) {
+    for (; k + 4 <= blocks; k += 4) {
+      prefetch(k);
+      step(k);
+      step(k + 1);
+      step(k + 2);
+      step(k + 3);
+    }
+    if (k < blocks) prefetch(k);
   }
-  if (k < blocks) prefetch(k);
-  for (; k < blocks; ++k) step(k);
+  for (; k < blocks; ++k) {
+    if (!kBlocksPerTrip4 && k % 4 == 0) prefetch(k);
+    step(k);
+  }
   float parts[A * B * kGroups];
   reduce_lanes<A * B * static_cast<int>(kGroups)>(acc, parts);
   reduce_groups<A * B>(parts, out);
