@@ -130,18 +130,23 @@ void expect_flat(const Phase& p, int count, int64_t workspace_bound) {
       << by_category(p.after_last);
 }
 
-// What `moe plan` bounds the kernel workspace of this fine-tune by on one rank, for the routing
-// that sends every token of the expert-parallel group to this rank's experts.
-int64_t planned_lora_workspace(const char* preset, int world, int ep, int64_t batch_per_rank,
-                               int64_t seq_len) {
-  const TrainConfig cfg = parse_train_config(
+// The fine-tune as `moe finetune` would be configured: the adapters the test adds come from it,
+// and so does the memory plan it is checked against.
+TrainConfig lora_run_config(const char* preset, int world, int ep, int64_t batch_per_rank,
+                            int64_t seq_len) {
+  return parse_train_config(
       fmt::format("[model]\npreset = \"{}\"\nweights = \"none\"\nexperts = \"mxfp4\"\n"
                   "[data]\nseq_len = {}\nbatch_size = {}\n[parallel]\nep = {}\n"
-                  "[lora]\nr = 8\ndropout = 0.1\n",
+                  "[lora]\ndropout = 0.1\n",
                   preset, seq_len, batch_per_rank * world, ep),
       "test_dist_memory", {}, ConfigPurpose::Finetune);
-  return plan_training_memory(cfg, resolve_plan_model(cfg), world, 0, static_cast<double>(ep))
-      [MemCategory::Workspace];
+}
+
+// What `moe plan` bounds the kernel workspace of that fine-tune by on one rank, for the routing
+// that sends every token of the expert-parallel group to this rank's experts.
+int64_t planned_workspace(const TrainConfig& run, int world) {
+  return plan_training_memory(run, resolve_plan_model(run), world, 0,
+                              static_cast<double>(run.parallel.ep))[MemCategory::Workspace];
 }
 
 struct MemoryCase {
@@ -170,11 +175,10 @@ TEST_P(DistMemory, FlatOverTrainingEvaluationAndInference) {
   const std::unique_ptr<CausalLM> owned = make_causal_lm(cfg, make_dispatcher(groups));
   CausalLM& model = *owned;
   model.init_weights(7);
+  const TrainConfig run = lora_run_config(GetParam().preset, W, e, shape.batch, shape.seq);
   if (lora) {
     model.freeze_base();
-    LoraSettings settings;
-    settings.dropout = 0.1;
-    model.add_lora(settings, 8);
+    model.add_lora(lora_settings(run), 8);
     model.lora_runtime().seed = 9;
     model.lora_runtime().row_offset = rank * shape.tokens();
   }
@@ -220,8 +224,7 @@ TEST_P(DistMemory, FlatOverTrainingEvaluationAndInference) {
     return finite;
   });
 
-  const int64_t workspace_bound =
-      lora ? planned_lora_workspace(GetParam().preset, W, e, shape.batch, shape.seq) : -1;
+  const int64_t workspace_bound = lora ? planned_workspace(run, W) : -1;
   for (const Phase* p : {&train, &eval, &infer})
     expect_flat(*p, iterations_per_phase, workspace_bound);
   const int64_t rss0 = train.rss_after_warmup, rss1 = infer.rss_after_last;
