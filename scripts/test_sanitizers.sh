@@ -7,7 +7,8 @@
 #   BUILD_DIR=... CTEST_ARGS="-R test_io" bash scripts/test_sanitizers.sh
 #
 # -O1: instrumented code at -O2 builds twice as slowly for little gain in what the checks see.
-# The SIMD kernels are the exception (-O2 and two checks fewer, CMakeLists.txt says why): at -O1
+# The SIMD kernels are the exception (-O2, without use-after-scope and UBSan's alignment, null
+# and pointer-overflow checks; CMakeLists.txt says why): at -O1
 # their register tiles lived on the stack and the suite's tests took 1,705 s on a Zen 3 with
 # 2 cores; 677 s with the kernels built so and fast malloc stacks outside the MPI tests.
 # The tests run side by side, as many as there are cores (ctest -j; the MPI and CLI tests claim
