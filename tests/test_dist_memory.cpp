@@ -227,17 +227,24 @@ TEST_P(DistMemory, FlatOverTrainingEvaluationAndInference) {
   const int64_t workspace_bound = lora ? planned_workspace(run, W) : -1;
   for (const Phase* p : {&train, &eval, &infer})
     expect_flat(*p, iterations_per_phase, workspace_bound);
+  // The RSS may follow a workspace rise that expect_flat allowed (a fine-tune's routing gave an
+  // expert more rows, and a kernel grew its packing buffer: a 2 MiB AVX2 panel is 10% of this
+  // process); what the tracker does not account for must stay under the limit.
   const int64_t rss0 = train.rss_after_warmup, rss1 = infer.rss_after_last;
-  const double growth = static_cast<double>(rss1 - rss0) / static_cast<double>(rss0);
+  const auto ws = static_cast<size_t>(MemCategory::Workspace);
+  const int64_t workspace_rise = infer.after_last.current[ws] - train.after_warmup.current[ws];
+  const double growth = static_cast<double>(rss1 - rss0 - workspace_rise) / static_cast<double>(rss0);
   EXPECT_GT(rss0, 0) << "no VmRSS in /proc/self/status";
   if (kRssIsMeaningful) {
-    EXPECT_LT(growth, kRssGrowthLimit) << "RSS " << rss0 << " -> " << rss1 << " bytes";
+    EXPECT_LT(growth, kRssGrowthLimit) << "RSS " << rss0 << " -> " << rss1 << " bytes, of which "
+                                       << workspace_rise << " the tracked workspace's rise";
   }
 
   // Every rank's numbers, gathered for rank 0's log (also keeps the ranks in step).
-  std::vector<int64_t> rss(static_cast<size_t>(2 * W), 0);
-  rss[static_cast<size_t>(2 * rank)] = rss0;
-  rss[static_cast<size_t>(2 * rank + 1)] = rss1;
+  std::vector<int64_t> rss(static_cast<size_t>(3 * W), 0);
+  rss[static_cast<size_t>(3 * rank)] = rss0;
+  rss[static_cast<size_t>(3 * rank + 1)] = rss1;
+  rss[static_cast<size_t>(3 * rank + 2)] = workspace_rise;
   g_world->all_reduce_sum(rss.data(), static_cast<int64_t>(rss.size()));
   if (rank == 0) {
     std::printf("[ %s, %sEP %d x %d replicas ] batch %lldx%lld per rank, %d iterations per phase, "
@@ -255,11 +262,13 @@ TEST_P(DistMemory, FlatOverTrainingEvaluationAndInference) {
                   "every token of the group on this rank's experts)\n",
                   static_cast<long long>(workspace_bound));
     for (int r = 0; r < W; ++r) {
-      const int64_t a = rss[static_cast<size_t>(2 * r)], b = rss[static_cast<size_t>(2 * r + 1)];
+      const int64_t a = rss[static_cast<size_t>(3 * r)], b = rss[static_cast<size_t>(3 * r + 1)],
+                    rise = rss[static_cast<size_t>(3 * r + 2)];
       std::printf("  rank %d RSS after training step %d: %lld kB, after the last inference "
-                  "forward: %lld kB (%+.3f%%)\n", r, kWarmup, static_cast<long long>(a / 1024),
-                  static_cast<long long>(b / 1024),
-                  100.0 * static_cast<double>(b - a) / static_cast<double>(a));
+                  "forward: %lld kB (%+.3f%%; tracked workspace %+lld kB)\n", r, kWarmup,
+                  static_cast<long long>(a / 1024), static_cast<long long>(b / 1024),
+                  100.0 * static_cast<double>(b - a) / static_cast<double>(a),
+                  static_cast<long long>(rise / 1024));
     }
   }
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));

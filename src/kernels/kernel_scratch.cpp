@@ -1,6 +1,7 @@
 #include "kernels/kernel_scratch.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include "core/error.h"
@@ -33,6 +34,10 @@ float* kernel_scratch(int slot, int64_t floats) {
     const int64_t grown = (floats + 15) / 16 * 16;
     void* p = std::aligned_alloc(64, static_cast<size_t>(grown) * 4);
     if (!p) throw std::bad_alloc();
+    // Touched now, so the process holds what the tracker counts: a call that packs only a few
+    // rows would otherwise fault in the rest of the buffer at some later step, and the RSS
+    // would rise where the tracked memory is flat (or hide an untracked rise in its place).
+    std::memset(p, 0, static_cast<size_t>(grown) * 4);
     if (t.data[slot]) {
       std::free(t.data[slot]);
       MemoryTracker::instance().on_free(MemCategory::Workspace, t.floats[slot] * 4);
