@@ -116,6 +116,10 @@ constexpr int64_t kNr = kNv * kN;
 constexpr int64_t kKc = kN == 16 ? 512 : 320;
 constexpr int64_t kNc = kN == 16 ? 1024 : 512;
 constexpr int64_t kMc = 4 * kMr;
+// A column block is whole panels: blocking() clamps to kNc, and packing a column block of kNc
+// columns writes ceil(kNc / kNr) panels into a buffer sized for kNc (an 8 × 48 AVX-512 tile
+// overran the heap that way).
+static_assert(kNc % kNr == 0, "kNc must be a multiple of the panel width kNr");
 
 // ------------------------------------------------------------------------------ packing
 
