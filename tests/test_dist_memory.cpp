@@ -241,10 +241,11 @@ TEST_P(DistMemory, FlatOverTrainingEvaluationAndInference) {
   }
 
   // Every rank's numbers, gathered for rank 0's log (also keeps the ranks in step).
-  std::vector<int64_t> rss(static_cast<size_t>(3 * W), 0);
-  rss[static_cast<size_t>(3 * rank)] = rss0;
-  rss[static_cast<size_t>(3 * rank + 1)] = rss1;
-  rss[static_cast<size_t>(3 * rank + 2)] = workspace_rise;
+  constexpr int kPerRank = 3;  // RSS after the warm-up, RSS at the end, tracked workspace rise
+  std::vector<int64_t> rss(static_cast<size_t>(kPerRank * W), 0);
+  rss[static_cast<size_t>(kPerRank * rank)] = rss0;
+  rss[static_cast<size_t>(kPerRank * rank + 1)] = rss1;
+  rss[static_cast<size_t>(kPerRank * rank + 2)] = workspace_rise;
   g_world->all_reduce_sum(rss.data(), static_cast<int64_t>(rss.size()));
   if (rank == 0) {
     std::printf("[ %s, %sEP %d x %d replicas ] batch %lldx%lld per rank, %d iterations per phase, "
@@ -262,8 +263,9 @@ TEST_P(DistMemory, FlatOverTrainingEvaluationAndInference) {
                   "every token of the group on this rank's experts)\n",
                   static_cast<long long>(workspace_bound));
     for (int r = 0; r < W; ++r) {
-      const int64_t a = rss[static_cast<size_t>(3 * r)], b = rss[static_cast<size_t>(3 * r + 1)],
-                    rise = rss[static_cast<size_t>(3 * r + 2)];
+      const int64_t a = rss[static_cast<size_t>(kPerRank * r)],
+                    b = rss[static_cast<size_t>(kPerRank * r + 1)],
+                    rise = rss[static_cast<size_t>(kPerRank * r + 2)];
       std::printf("  rank %d RSS after training step %d: %lld kB, after the last inference "
                   "forward: %lld kB (%+.3f%%; tracked workspace %+lld kB)\n", r, kWarmup,
                   static_cast<long long>(a / 1024), static_cast<long long>(b / 1024),
