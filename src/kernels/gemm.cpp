@@ -37,6 +37,7 @@
 #include "core/parallel.h"
 #include "core/simd.h"
 #include "kernels/kernel_scratch.h"
+#include "kernels/read_bandwidth.h"
 
 #ifndef MOE_KERNELS_GEMM_SHARED
 #define MOE_KERNELS_GEMM_SHARED
@@ -108,14 +109,27 @@ constexpr int kNv = 2;
 constexpr int64_t kNr = kNv * kN;
 // Contraction blocks of at most kKc (K split evenly, in multiples of 16, so no block is a short
 // remainder); B block width (a kKc × kNc block of B, 2 MiB on AVX-512, is reused from L2 or L3
-// by every row panel of a kMc-row block, whose C block stays in L2 over all of K); packed B of
+// by every row panel of a row block, whose C block stays in L2 over all of K); packed B of
 // one column block is at most max_packed_b floats (kGemmPackedBFloats*, in L3), narrower for a
 // long K.
 // AVX-512: 512 (the 2048³ products 1-5% faster than 320 on a Zen 5, in medians of 6 runs);
 // AVX2: 320 (512 was no faster).
 constexpr int64_t kKc = kN == 16 ? 512 : 320;
 constexpr int64_t kNc = kN == 16 ? 1024 : 512;
-constexpr int64_t kMc = 4 * kMr;
+// Row blocks. A task's A panels meet each B slice it loads, so the taller the block, the fewer
+// times a slice comes from L3. Where a column block of packed B overflows half the L2, blocks
+// are tall: as many micro-panels as a quarter of the L2 holds at kKc, from 4 up to 16 (2048³
+// on two threads of a Xeon with a 2 MiB L2 and a 480 MiB L3: 0.58-0.70 of the FMA peak with 4,
+// 0.62-0.69 with 16, alternated). Where packed B stays in L2, short blocks of 4 give the threads
+// more tasks (the `small` model's products, K = 320, were no faster tall); the tail is short.
+constexpr int64_t kMcShort = 4 * kMr;
+constexpr int64_t kMcTall = 16 * kMr;
+constexpr int64_t kFloatBytes = sizeof(float);
+int64_t tall_rows() {
+  static const int64_t rows =
+      std::clamp(l2_cache_bytes() / 4 / (kKc * kFloatBytes) / kMr * kMr, kMcShort, kMcTall);
+  return rows;
+}
 // A column block is whole panels: blocking() clamps to kNc, and packing a column block of kNc
 // columns writes ceil(kNc / kNr) panels into a buffer sized for kNc (an 8 × 48 AVX-512 tile
 // overran the heap that way).
@@ -349,7 +363,7 @@ struct PackedB {
 // slice of the columns after another. A slice's panels (at most kSliceBytes) stay in L2 while
 // all the micro-panels pass over them; over a whole column block (2 MiB per K block on AVX-512)
 // every micro-panel streamed them from L3 again: 2048³ on two threads of a Zen 5 went from
-// 463-476 to 480-484 GFLOP/s (nn, nt) and 457-462 to 470-472 (tn). The C block (≤ kMc rows)
+// 463-476 to 480-484 GFLOP/s (nn, nt) and 457-462 to 470-472 (tn). The C block (≤ kMcTall rows)
 // stays in L2 from one K block to the next.
 constexpr int64_t kSliceBytes = 512 * 1024;
 
@@ -378,8 +392,8 @@ void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, 
 }
 
 // Column blocks of B (packed once for all of K by all threads together, then shared) are cut,
-// with the rows, into tasks (row blocks of kMc, and column parts when rows alone give too
-// few) that threads take dynamically. Any cut gives the same bits, so it is chosen for speed:
+// with the rows, into tasks (row blocks, and column parts when rows alone give too few) that
+// threads take dynamically. Any cut gives the same bits, so it is chosen for speed:
 // enough tasks to balance, few enough to keep A panels reused.
 // The blocking of one run() (one slice of K): K blocks of kcb, column blocks of nc_max, each
 // packed for all K blocks into k_blocks·block_floats floats.
@@ -393,12 +407,17 @@ Blocking blocking(int64_t N, int64_t K, int64_t max_packed_b) {
   return {k_blocks, kcb, nc_max, kcb * std::min(nc_max, round_up(N, kNr))};
 }
 // A panels of one task (slot 1).
-constexpr int64_t kAPanelsFloats = ceil_div(kMc, kMr) * kAPanel;
+constexpr int64_t kAPanelsFloats = ceil_div(kMcTall, kMr) * kAPanel;
 
 void run(const Problem& p, int threads, int64_t max_packed_b) {
   const auto [k_blocks, kcb, nc_max, block_floats] = blocking(p.N, p.K, max_packed_b);
   float* bbuf = kernel_scratch(0, k_blocks * block_floats);
-  const int64_t row_blocks = ceil_div(p.M, kMc);
+  const bool tall = k_blocks * block_floats * kFloatBytes > l2_cache_bytes() / 2;
+  const int64_t mc = tall ? tall_rows() : kMcShort;
+  // The last rows, 2·threads short blocks, end the loop (below); the rest are blocks of mc.
+  const int64_t tail_m = threads > 1 ? std::min(p.M, 2 * int64_t{threads} * kMcShort) : 0;
+  const int64_t head_m = p.M - tail_m;
+  const int64_t head_blocks = ceil_div(head_m, mc), tail_blocks = ceil_div(tail_m, kMcShort);
   for (int64_t jc = 0; jc < p.N; jc += nc_max) {
     const PackedB b{bbuf, block_floats, jc, std::min(nc_max, p.N - jc)};
     const int64_t panels = ceil_div(b.nc, kNr);
@@ -409,30 +428,30 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
       pack_b(p, kb * kcb, std::min(kcb, p.K - kb * kcb), b.jc, b.nc, g * kPackGroup,
              std::min(panels, (g + 1) * kPackGroup), bbuf + kb * block_floats);
     };
-    // Tasks are taken in order: the row blocks whole (or in column parts when rows alone give
-    // too few tasks), then the last 2·threads row blocks cut in column parts of about 4 panels,
-    // so the loop does not end waiting on one thread's whole row block (hundreds of µs at the
-    // LM head's width).
+    // Tasks are taken in order: the head's row blocks whole (or in column parts when rows alone
+    // give too few tasks), then the tail's short row blocks cut in column parts of about 4
+    // panels, so the loop does not end waiting on one thread's whole row block (hundreds of µs
+    // at the LM head's width).
     auto parts_of = [&](int64_t n) {
       const int64_t width = ceil_div(panels, n) * kNr;
       return std::pair{ceil_div(b.nc, width), width};
     };
     int64_t want = 1;
-    while (threads > 1 && row_blocks * want < 4 * threads && want < panels) ++want;
+    while (threads > 1 && (head_blocks + tail_blocks) * want < 4 * threads && want < panels) ++want;
     const auto [col_parts, part] = parts_of(want);
-    const int64_t tail_rows = threads > 1 ? std::min(row_blocks, 2 * int64_t{threads}) : 0;
     const auto [tail_parts, tail_part] = parts_of(std::max(col_parts, ceil_div(panels, 4)));
-    const int64_t head_tasks = (row_blocks - tail_rows) * col_parts;
+    const int64_t head_tasks = head_blocks * col_parts;
     auto task = [&](int64_t t) {
       const bool tail = t >= head_tasks;
       const int64_t n = tail ? tail_parts : col_parts, width = tail ? tail_part : part;
-      const int64_t r = tail ? row_blocks - tail_rows + (t - head_tasks) / n : t / n;
-      const int64_t c = (tail ? t - head_tasks : t) % n;
-      compute_block(p, b, kcb, r * kMc, std::min(p.M, (r + 1) * kMc), b.jc + c * width,
+      const int64_t r = (tail ? t - head_tasks : t) / n, c = (tail ? t - head_tasks : t) % n;
+      const int64_t i0 = tail ? head_m + r * kMcShort : r * mc;
+      const int64_t i1 = tail ? std::min(p.M, i0 + kMcShort) : std::min(head_m, i0 + mc);
+      compute_block(p, b, kcb, i0, i1, b.jc + c * width,
                     std::min(b.jc + b.nc, b.jc + (c + 1) * width),
                     kernel_scratch(1, kAPanelsFloats));
     };
-    const int64_t tasks = head_tasks + tail_rows * tail_parts;
+    const int64_t tasks = head_tasks + tail_blocks * tail_parts;
     const int64_t pack_items = k_blocks * groups;
     if (threads > 1) {
       parallel_for(0, pack_items, pack_item);
