@@ -119,9 +119,10 @@ constexpr int64_t kNc = kN == 16 ? 1024 : 512;
 // Row blocks. A task's A panels meet each B slice it loads, so the taller the block, the fewer
 // times a slice comes from L3. Where a column block of packed B overflows half the L2, blocks
 // are tall: as many micro-panels as a quarter of the L2 holds at kKc, from 4 up to 16 (2048³
-// on two threads of a Xeon with a 2 MiB L2 and a 480 MiB L3: 0.58-0.70 of the FMA peak with 4,
-// 0.62-0.69 with 16, alternated). Where packed B stays in L2, short blocks of 4 give the threads
-// more tasks (the `small` model's products, K = 320, were no faster tall); the tail is short.
+// on two threads of a Xeon with a 2 MiB L2 and a 480 MiB L3: 0.54-0.62 of the FMA peak with 4,
+// 0.60-0.77 with 16, 5 alternated rounds; docs/PERF.md, session 27). Where packed B stays in
+// L2, short blocks of 4 give the threads more tasks (the `small` model's products, K = 320,
+// were no faster tall); the tail is short.
 constexpr int64_t kMcShort = 4 * kMr;
 constexpr int64_t kMcTall = 16 * kMr;
 constexpr int64_t kFloatBytes = sizeof(float);
