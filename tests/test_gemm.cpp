@@ -112,6 +112,22 @@ TEST(Gemm, EveryLayoutIsTheFmaChainBitwiseOnEveryTarget) {
   });
 }
 
+TEST(Gemm, ARowsReadInPlaceOrCopiedAreTheSameChain) {
+  // nt/nn read A's rows in place unless the row stride is near a multiple of 4 KiB (a stride of
+  // 1,024 floats puts all of a micro-panel's rows in one L1 set), where they copy them first:
+  // both ways, in K blocks and with partial tiles, against the spelled-out chain.
+  for_each_simd_target([](simd::Target) {
+    uint64_t seed = 100;
+    for (Op op : {Op::NT, Op::NN, Op::TN})
+      for (int64_t pad : {3, 24, 1048})  // A's stride 1,003 (in place), 1,024, 2,048 (copied)
+        for (bool accumulate : {false, true}) {
+          const Case c = make_case(op, 37, 70, 1000, seed++, pad);
+          ASSERT_TRUE(same_bits(run(c, accumulate), reference(c, accumulate)))
+              << op_name(op) << " lda=" << c.lda << " accumulate=" << accumulate;
+        }
+  });
+}
+
 TEST(Gemm, RowAloneEqualsRowInsideAThousandRowCall) {
   // For every entry point: a row of C computed in a call of 1 row is the same row of a call of
   // 1,000 rows (for tn, the rows are A's columns), bitwise, on every target.
