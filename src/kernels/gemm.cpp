@@ -381,10 +381,10 @@ constexpr int64_t kSliceBytes = 512 * 1024;
 
 // nt and nn read A's rows in place, without a packed copy, where the kMr rows of a
 // micro-panel spread over at least half as many of the L1's 64 sets (one line of each row is
-// live at a time): the copy was 7.6% of a `small` training step, and skipping it made the
-// step 2% faster (8 of 8 alternated pairs). A row stride near a multiple of 4 KiB puts the
-// rows in a few sets, where B's stream evicts them: 2048³ with its rows in place ran 0.63-0.68
-// of the FMA peak against 0.64-0.74 packed, so those strides keep the copy.
+// live at a time): the copy was 7.6% of a `small` training step, which runs 1-2% faster
+// without it. A row stride near a multiple of 4 KiB puts the rows in a few sets, where B's
+// stream evicts them: 2048³ (nt, nn) with its rows in place ran 0.66-0.68 of the FMA peak
+// against 0.65-0.74 copied, so those strides keep the copy (docs/PERF.md, session 27).
 bool rows_in_place(int64_t lda) {
   constexpr int64_t kLineFloats = 16, kL1Sets = 64;
   uint64_t sets = 0;
