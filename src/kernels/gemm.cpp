@@ -246,15 +246,19 @@ void pack_a_rows(const Problem& p, int64_t i0, int64_t pc, int64_t kc, float* ou
 
 // ------------------------------------------------------------------------------ micro-kernel
 
+// Where the micro-kernel's broadcasts of A come from: a packed micro-panel in chunks of
+// kChunk k's per row (nt, nn), a k-major packed micro-panel (tn), or A's rows themselves at
+// stride lda (nt, nn where rows_in_place).
+enum class AFrom { Panel, KMajorPanel, InPlace };
+
 // C[0..MR, 0..cols) (+)= Ap · Bp over kc, for one packed A micro-panel and one packed B panel
 // (rows of kNr floats). `load_c`: continue the chains stored in C (a later K block, or
 // accumulate); else start at +0. kFull: all kNr columns; else `cols` of them, with masked loads
 // and stores.
-template <int MR, int kAMode, bool kFull>
+template <int MR, AFrom kA, bool kFull>
 HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RESTRICT bp,
                                int64_t kc, float* c, int64_t ldc, bool load_c, int64_t cols,
                                int64_t lda) {
-  constexpr bool kKMajorA = kAMode == 1;
   const D d;
   using M = hn::Mask<D>;
   M mask[kNv];
@@ -287,10 +291,10 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
       for (int v = 0; v < kNv; ++v) acc[i][v] = hn::MulAdd(a, b[v], acc[i][v]);
     }
   };
-  if constexpr (kAMode == 2) {
+  if constexpr (kA == AFrom::InPlace) {
 #pragma GCC unroll 4
     for (int64_t k = 0; k < kc; ++k) step(bp + k * kNr, ap + k, lda);
-  } else if constexpr (kKMajorA) {
+  } else if constexpr (kA == AFrom::KMajorPanel) {
 #pragma GCC unroll 4
     for (int64_t k = 0; k < kc; ++k) step(bp + k * kNr, ap + k * MR, 1);
   } else {
@@ -319,19 +323,19 @@ constexpr auto pack_a_table(std::integer_sequence<int, I...>) {
 }
 using MicroKernelFn = void (*)(const float*, const float*, int64_t, float*, int64_t, bool, int64_t,
                                int64_t);
-template <int kAMode, bool kFull, int... I>
+template <AFrom kA, bool kFull, int... I>
 constexpr auto micro_kernel_table(std::integer_sequence<int, I...>) {
-  return std::array<MicroKernelFn, sizeof...(I)>{&micro_kernel<I + 1, kAMode, kFull>...};
+  return std::array<MicroKernelFn, sizeof...(I)>{&micro_kernel<I + 1, kA, kFull>...};
 }
 constexpr auto kPackA = pack_a_table(std::make_integer_sequence<int, kMr>{});
-// [k-major A][full panel][rows - 1]
-const std::array<MicroKernelFn, kMr> kMicroKernels[3][2] = {
-    {micro_kernel_table<0, false>(std::make_integer_sequence<int, kMr>{}),
-     micro_kernel_table<0, true>(std::make_integer_sequence<int, kMr>{})},
-    {micro_kernel_table<1, false>(std::make_integer_sequence<int, kMr>{}),
-     micro_kernel_table<1, true>(std::make_integer_sequence<int, kMr>{})},
-    {micro_kernel_table<2, false>(std::make_integer_sequence<int, kMr>{}),
-     micro_kernel_table<2, true>(std::make_integer_sequence<int, kMr>{})}};
+template <AFrom kA>
+constexpr std::array<std::array<MicroKernelFn, kMr>, 2> kernels_for() {
+  return {micro_kernel_table<kA, false>(std::make_integer_sequence<int, kMr>{}),
+          micro_kernel_table<kA, true>(std::make_integer_sequence<int, kMr>{})};
+}
+// [AFrom][full panel][rows - 1]
+const std::array<std::array<std::array<MicroKernelFn, kMr>, 2>, 3> kMicroKernels = {
+    kernels_for<AFrom::Panel>(), kernels_for<AFrom::KMajorPanel>(), kernels_for<AFrom::InPlace>()};
 
 // Floats per packed A micro-panel.
 constexpr int64_t kAPanel = kMr * kKc;
@@ -395,8 +399,8 @@ bool rows_in_place(int64_t lda) {
 void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, int64_t i1,
                    int64_t j0, int64_t j1, float* abuf) {
   const bool k_major = p.layout == Layout::TN;
-  const bool direct = !k_major && rows_in_place(p.lda);
-  const int mode = direct ? 2 : k_major ? 1 : 0;
+  const bool in_place = !k_major && rows_in_place(p.lda);
+  const AFrom from = in_place ? AFrom::InPlace : k_major ? AFrom::KMajorPanel : AFrom::Panel;
   const int64_t panels = ceil_div(j1 - j0, kNr);
   for (int64_t pc = 0, kb = 0; pc < p.K; pc += kcb, ++kb) {
     const int64_t kc = std::min(kcb, p.K - pc);
@@ -405,15 +409,15 @@ void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, 
     const int64_t panel_bytes = kc * kNr * static_cast<int64_t>(sizeof(float));
     const int64_t most = std::max<int64_t>(1, kSliceBytes / panel_bytes);
     const int64_t slice = ceil_div(panels, ceil_div(panels, most)) * kNr;
-    if (!direct) pack_a(p, i0, i1, pc, kc, abuf);
+    if (!in_place) pack_a(p, i0, i1, pc, kc, abuf);
     for (int64_t js = j0; js < j1; js += slice)
       for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
         const size_t rows = static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1);
-        const float* ap = direct ? p.A + i * p.lda + pc : abuf + q * kAPanel;
+        const float* ap = in_place ? p.A + i * p.lda + pc : abuf + q * kAPanel;
         for (int64_t j = js; j < std::min(j1, js + slice); j += kNr) {
           const int64_t cols = std::min(kNr, j1 - j);
-          kMicroKernels[mode][cols == kNr][rows](ap, b.panel(kb, kc, j), kc,
-                                                 p.C + i * p.ldc + j, p.ldc, load_c, cols, p.lda);
+          kMicroKernels[static_cast<int>(from)][cols == kNr][rows](
+              ap, b.panel(kb, kc, j), kc, p.C + i * p.ldc + j, p.ldc, load_c, cols, p.lda);
         }
       }
   }
