@@ -187,7 +187,8 @@ TEST(Gemm, TallRowBlocksAndTheirTailAreTheFmaChain) {
           ASSERT_TRUE(same_bits(run(c, true), one))
               << op_name(op) << " lda=" << c.lda << " threads " << threads;
         }
-        ASSERT_TRUE(same_bits(run(c, true, true), one)) << op_name(op) << " lda=" << c.lda << " serial";
+        ASSERT_TRUE(same_bits(run(c, true, true), one))
+            << op_name(op) << " lda=" << c.lda << " serial";
       }
   });
   set_num_threads(before);

@@ -130,9 +130,7 @@ constexpr int64_t kMcShort = 4 * kMr;
 constexpr int64_t kMcTall = 16 * kMr;
 constexpr int64_t kFloatBytes = sizeof(float);
 int64_t tall_rows() {
-  static const int64_t rows =
-      std::clamp(l2_cache_bytes() / 4 / (kKc * kFloatBytes) / kMr * kMr, kMcShort, kMcTall);
-  return rows;
+  return std::clamp(l2_cache_bytes() / 4 / (kKc * kFloatBytes) / kMr * kMr, kMcShort, kMcTall);
 }
 // A column block is whole panels: blocking() clamps to kNc, and packing a column block of kNc
 // columns writes ceil(kNc / kNr) panels into a buffer sized for kNc (an 8 × 48 AVX-512 tile
@@ -406,7 +404,7 @@ void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, 
     const int64_t kc = std::min(kcb, p.K - pc);
     const bool load_c = p.accumulate || pc > 0;
     // Slices of equal width (in panels), each within kSliceBytes of packed B.
-    const int64_t panel_bytes = kc * kNr * static_cast<int64_t>(sizeof(float));
+    const int64_t panel_bytes = kc * kNr * kFloatBytes;
     const int64_t most = std::max<int64_t>(1, kSliceBytes / panel_bytes);
     const int64_t slice = ceil_div(panels, ceil_div(panels, most)) * kNr;
     if (!in_place) pack_a(p, i0, i1, pc, kc, abuf);
