@@ -451,14 +451,29 @@ TEST(KernelScratch, ReportsAreWhatCallsAllocate) {
     EXPECT_EQ(workspace_of_one_call([&] {
                 gemm_nt_serial(s.M, s.N, s.K, a.data(), s.K, b.data(), s.K, c.data(), s.N, false);
               }),
-              bytes_of(gemm_scratch_floats(s.M, s.N, s.K, /*nt=*/true, /*serial=*/true)))
+              bytes_of(gemm_scratch_floats(GemmLayout::NT, s.M, s.N, s.K, /*serial=*/true)))
         << "nt " << s.M << " x " << s.N << " x " << s.K;
     EXPECT_EQ(workspace_of_one_call([&] {
                 gemm_nn_serial(s.M, s.N, s.K, a.data(), s.K, b.data(), s.N, c.data(), s.N, false);
               }),
-              bytes_of(gemm_scratch_floats(s.M, s.N, s.K, /*nt=*/false, /*serial=*/true)))
+              bytes_of(gemm_scratch_floats(GemmLayout::NN, s.M, s.N, s.K, /*serial=*/true)))
         << "nn " << s.M << " x " << s.N << " x " << s.K;
   }
+  // A weight gradient over many tokens on two threads packs A once for both, in slot 0 after
+  // packed B. Whether the calling thread also takes a task (and so its slot 1) is up to the
+  // schedule; the pool's other thread already holds its slot 1 from the first call.
+  const int threads = num_threads();
+  set_num_threads(2);
+  const int64_t M = 256, N = 320, K = 2048;
+  std::vector<float> a(M * K, 0.25f), b(N * K, 0.5f), c(M * N);
+  auto tn = [&] { gemm_tn(M, N, K, a.data(), M, b.data(), N, c.data(), N, true); };
+  tn();
+  const ScratchFloats report = gemm_scratch_floats(GemmLayout::TN, M, N, K, /*serial=*/false);
+  EXPECT_GE(report.slot0, N * K + M * K) << "packed B and A";
+  const int64_t grown = workspace_of_one_call(tn);
+  EXPECT_GE(grown, bytes_of({report.slot0, 0}));
+  EXPECT_LE(grown, bytes_of(report));
+  set_num_threads(threads);
 }
 
 // An expert's calls have any row count up to the largest, and a smaller one can ask for more

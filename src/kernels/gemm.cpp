@@ -27,7 +27,7 @@
 //
 // * Threads. All threads pack a column block of B together into one shared buffer, then take
 //   tasks (row blocks, and column parts when rows alone are too few) dynamically, each packing
-//   its A panels into per-thread scratch. Any cut gives the same bits, so the cut is chosen for
+//   its A panels into per-thread scratch (tn with few rows of C: all threads pack A once, too). Any cut gives the same bits, so the cut is chosen for
 //   speed only.
 
 #include <algorithm>
@@ -46,7 +46,7 @@
 #define MOE_KERNELS_GEMM_SHARED
 namespace moe::gemm_detail {
 
-enum class Layout { NT, NN, TN };
+using Layout = GemmLayout;
 
 // C[M,N] (+)= op(A)[M,K] · op(B)[K,N]; A(i,k) and B(k,j) read through the layout.
 struct Problem {
@@ -338,24 +338,38 @@ const std::array<std::array<std::array<MicroKernelFn, kMr>, 2>, 3> kMicroKernels
 // Floats per packed A micro-panel.
 constexpr int64_t kAPanel = kMr * kKc;
 
-// Packs the micro-panels of rows [i0, i1) (panel q at out + q·kAPanel) for k in [pc, pc + kc).
-void pack_a(const Problem& p, int64_t i0, int64_t i1, int64_t pc, int64_t kc, float* out) {
-  if (p.layout != Layout::TN) {
-    for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q)
-      kPackA[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)](p, i, pc, kc, out + q * kAPanel);
-    return;
-  }
+// tn's micro-panels of rows [i0, i1) (panel q at out + q·panel_floats), k-major, for the k's
+// [k0, k1) of the K block at pc.
+void pack_a_k_major(const Problem& p, int64_t i0, int64_t i1, int64_t pc, int64_t k0, int64_t k1,
+                    int64_t panel_floats, float* out) {
   // k outer: each A row (a k) is read once, front to back, across all the panels. Full panels
   // copy kMr floats with a fixed-size copy (a vector or two); the last one may be narrower.
   const int64_t full = (i1 - i0) / kMr, rest = (i1 - i0) % kMr;
-  const float* src = p.A + pc * p.lda + i0;
-  for (int64_t k = 0; k < kc; ++k, src += p.lda) {
+  const float* src = p.A + (pc + k0) * p.lda + i0;
+  for (int64_t k = k0; k < k1; ++k, src += p.lda) {
     for (int64_t q = 0; q < full; ++q)
-      std::memcpy(out + q * kAPanel + k * kMr, src + q * kMr, sizeof(float) * kMr);
+      std::memcpy(out + q * panel_floats + k * kMr, src + q * kMr, sizeof(float) * kMr);
     if (rest)
-      std::memcpy(out + full * kAPanel + k * rest, src + full * kMr, sizeof(float) * static_cast<size_t>(rest));
+      std::memcpy(out + full * panel_floats + k * rest, src + full * kMr, sizeof(float) * static_cast<size_t>(rest));
   }
 }
+
+// Packs the micro-panels of rows [i0, i1) (panel q at out + q·kAPanel) for k in [pc, pc + kc).
+void pack_a(const Problem& p, int64_t i0, int64_t i1, int64_t pc, int64_t kc, float* out) {
+  if (p.layout == Layout::TN) return pack_a_k_major(p, i0, i1, pc, 0, kc, kAPanel, out);
+  for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q)
+    kPackA[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)](p, i, pc, kc, out + q * kAPanel);
+}
+
+// tn's A packed once for all tasks, by all threads together, as B is (null abuf: each task packs
+// its own): per K block, the micro-panels of all M rows from row 0, panel_floats apart.
+struct PackedA {
+  const float* abuf = nullptr;
+  int64_t panels = 0, panel_floats = 0;
+  const float* panel(int64_t kb, int64_t i) const {
+    return abuf + (kb * panels + i / kMr) * panel_floats;
+  }
+};
 
 // B of one column block [jc, jc + nc), packed for all of K: panels of kNr columns per K block.
 // Packing pays even where B's rows are k already (nn, tn): the kernel then streams contiguous
@@ -394,8 +408,8 @@ bool rows_in_place(int64_t lda) {
   return std::popcount(sets) >= kMr / 2;
 }
 
-void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, int64_t i1,
-                   int64_t j0, int64_t j1, float* abuf) {
+void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t kcb, int64_t i0,
+                   int64_t i1, int64_t j0, int64_t j1, float* abuf) {
   const bool k_major = p.layout == Layout::TN;
   const bool in_place = !k_major && rows_in_place(p.lda);
   const AFrom from = in_place ? AFrom::InPlace : k_major ? AFrom::KMajorPanel : AFrom::Panel;
@@ -407,11 +421,12 @@ void compute_block(const Problem& p, const PackedB& b, int64_t kcb, int64_t i0, 
     const int64_t panel_bytes = kc * kNr * kFloatBytes;
     const int64_t most = std::max<int64_t>(1, kSliceBytes / panel_bytes);
     const int64_t slice = ceil_div(panels, ceil_div(panels, most)) * kNr;
-    if (!in_place) pack_a(p, i0, i1, pc, kc, abuf);
+    if (!in_place && !a.abuf) pack_a(p, i0, i1, pc, kc, abuf);
     for (int64_t js = j0; js < j1; js += slice)
       for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
         const size_t rows = static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1);
-        const float* ap = in_place ? p.A + i * p.lda + pc : abuf + q * kAPanel;
+        const float* ap = in_place ? p.A + i * p.lda + pc
+                          : a.abuf ? a.panel(kb, i) : abuf + q * kAPanel;
         for (int64_t j = js; j < std::min(j1, js + slice); j += kNr) {
           const int64_t cols = std::min(kNr, j1 - j);
           kMicroKernels[static_cast<int>(from)][cols == kNr][rows](
@@ -439,14 +454,46 @@ Blocking blocking(int64_t N, int64_t K, int64_t max_packed_b) {
 // A panels of one task (slot 1).
 constexpr int64_t kAPanelsFloats = ceil_div(kMcTall, kMr) * kAPanel;
 
+// tn's A is packed once for all threads (PackedA, after packed B in slot 0) where it is at most a
+// quarter of max_packed_b: a weight gradient over many tokens with few output rows. A task
+// packing its own rows reads 4-16 micro-panels' worth of each A row (a k), one row after
+// another at A's full stride, and again for each column part; where all threads pack A
+// together, each reads whole rows. M = 256, N = 320, K = 2048 (the `small` model's shared
+// expert) on two threads: 240-246 GFLOP/s packed per task, 273-276 packed once (medians of 200
+// calls); M = 1024 level (docs/PERF.md, session 28). Floats of that copy; 0 where tasks pack
+// their own.
+int64_t shared_a_floats(Layout layout, int64_t M, const Blocking& b, bool several_threads,
+                        int64_t max_packed_b) {
+  const int64_t floats = round_up(M, kMr) * b.k_blocks * b.kcb;
+  return layout == Layout::TN && several_threads && floats <= max_packed_b / 4 ? floats : 0;
+}
+
 void run(const Problem& p, int threads, int64_t max_packed_b) {
-  const auto [k_blocks, kcb, nc_max, block_floats] = blocking(p.N, p.K, max_packed_b);
-  float* bbuf = kernel_scratch(0, k_blocks * block_floats);
+  const Blocking blk = blocking(p.N, p.K, max_packed_b);
+  const auto [k_blocks, kcb, nc_max, block_floats] = blk;
+  const int64_t a_floats = shared_a_floats(p.layout, p.M, blk, threads > 1, max_packed_b);
+  float* bbuf = kernel_scratch(0, k_blocks * block_floats + a_floats);
+  const PackedA a{a_floats ? bbuf + k_blocks * block_floats : nullptr, ceil_div(p.M, kMr),
+                  kcb * kMr};
+  if (a_floats) {
+    // Items of kPackRows rows of A (k's), each read whole, front to back.
+    constexpr int64_t kPackRows = 32;
+    const int64_t per_block = ceil_div(kcb, kPackRows);
+    parallel_for(0, k_blocks * per_block, [&](int64_t item) {
+      const int64_t kb = item / per_block, k0 = item % per_block * kPackRows;
+      const int64_t kc = std::min(kcb, p.K - kb * kcb);
+      if (k0 < kc)
+        pack_a_k_major(p, 0, p.M, kb * kcb, k0, std::min(kc, k0 + kPackRows), a.panel_floats,
+                       bbuf + k_blocks * block_floats + kb * a.panels * a.panel_floats);
+    });
+  }
   const bool tall = k_blocks * block_floats * kFloatBytes > l2_cache_bytes() / 2;
   const int64_t mc = tall ? tall_rows() : kMcShort;
-  // The last rows, 2·threads short blocks, end the loop (below); the rest are blocks of mc.
-  const int64_t tail_m = threads > 1 ? std::min(p.M, 2 * int64_t{threads} * kMcShort) : 0;
-  const int64_t head_m = p.M - tail_m;
+  // The last rows, 2·threads short blocks, end the loop (below); the rest are blocks of mc. Blocks
+  // start at whole micro-panels, where a shared A's panels do.
+  const int64_t head_m =
+      (p.M - (threads > 1 ? std::min(p.M, 2 * int64_t{threads} * kMcShort) : 0)) / kMr * kMr;
+  const int64_t tail_m = p.M - head_m;
   const int64_t head_blocks = ceil_div(head_m, mc), tail_blocks = ceil_div(tail_m, kMcShort);
   for (int64_t jc = 0; jc < p.N; jc += nc_max) {
     const PackedB b{bbuf, block_floats, jc, std::min(nc_max, p.N - jc)};
@@ -477,7 +524,7 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
       const int64_t r = (tail ? t - head_tasks : t) / n, c = (tail ? t - head_tasks : t) % n;
       const int64_t i0 = tail ? head_m + r * kMcShort : r * mc;
       const int64_t i1 = tail ? std::min(p.M, i0 + kMcShort) : std::min(head_m, i0 + mc);
-      compute_block(p, b, kcb, i0, i1, b.jc + c * width,
+      compute_block(p, b, a, kcb, i0, i1, b.jc + c * width,
                     std::min(b.jc + b.nc, b.jc + (c + 1) * width),
                     kernel_scratch(1, kAPanelsFloats));
     };
@@ -564,16 +611,18 @@ void run_any(const Problem& p, int threads, int64_t max_packed_b) {
   run_sliced(p, threads, max_packed_b);
 }
 
-// What run_any asks of the scratch slots: the largest slice's packed B, and the A panels.
-ScratchFloats scratch_floats(int64_t M, int64_t N, int64_t K, bool nt, int64_t max_packed_b) {
-  if (nt && M <= kSkinnyRows) return {};
+// What run_any asks of the scratch slots: the largest slice's packed B (and shared A), and the A
+// panels of a task.
+ScratchFloats scratch_floats(Layout layout, int64_t M, int64_t N, int64_t K, bool several_threads,
+                             int64_t max_packed_b) {
+  if (layout == Layout::NT && M <= kSkinnyRows) return {};
   const int64_t max_k = slice_k(max_packed_b);
-  auto packed_b = [&](int64_t k) {
+  auto slot0 = [&](int64_t k) {
     const Blocking b = blocking(N, k, max_packed_b);
-    return b.k_blocks * b.block_floats;
+    return b.k_blocks * b.block_floats + shared_a_floats(layout, M, b, several_threads, max_packed_b);
   };
-  int64_t b = packed_b(std::min(K, max_k));
-  if (K > max_k && K % max_k != 0) b = std::max(b, packed_b(K % max_k));
+  int64_t b = slot0(std::min(K, max_k));
+  if (K > max_k && K % max_k != 0) b = std::max(b, slot0(K % max_k));
   return {b, kAPanelsFloats};
 }
 
@@ -588,7 +637,7 @@ void run_any(const Problem& p, int threads, int64_t max_packed_b) {
   run_sliced(p, threads, max_packed_b);
 }
 
-ScratchFloats scratch_floats(int64_t, int64_t, int64_t, bool, int64_t) { return {}; }
+ScratchFloats scratch_floats(Layout, int64_t, int64_t, int64_t, bool, int64_t) { return {}; }
 
 #endif
 
@@ -596,9 +645,11 @@ void Gemm(const Problem& p, int threads, bool per_thread) {
   run_any(p, threads, per_thread ? kGemmPackedBFloatsPerThread : kGemmPackedBFloatsShared);
 }
 
-ScratchFloats GemmScratch(int64_t M, int64_t N, int64_t K, bool nt, bool per_thread) {
+// The parallel form reports A shared whenever its call may run on several threads (the
+// thread count is known only when it runs): a bound.
+ScratchFloats GemmScratch(Layout layout, int64_t M, int64_t N, int64_t K, bool per_thread) {
   if (M <= 0 || N <= 0 || K <= 0) return {};
-  return scratch_floats(M, N, K, nt,
+  return scratch_floats(layout, M, N, K, !per_thread && M * N * K >= kGemmParallelMinWork,
                         per_thread ? kGemmPackedBFloatsPerThread : kGemmPackedBFloatsShared);
 }
 
@@ -658,8 +709,8 @@ void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda
   gemm(Layout::TN, M, N, K, A, lda, B, ldb, C, ldc, accumulate, false);
 }
 
-ScratchFloats gemm_scratch_floats(int64_t M, int64_t N, int64_t K, bool nt, bool serial) {
-  return MOE_DISPATCH(GemmScratch)(M, N, K, nt, serial);
+ScratchFloats gemm_scratch_floats(GemmLayout layout, int64_t M, int64_t N, int64_t K, bool serial) {
+  return MOE_DISPATCH(GemmScratch)(layout, M, N, K, serial);
 }
 
 }  // namespace moe

@@ -42,9 +42,13 @@ void gemm_nn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda
 void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                     int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
-// The scratch one call of this shape asks for on the current SIMD target: `nt` for gemm_nt
-// (whose calls of a few rows pack nothing), `serial` for the gemm_*_serial forms.
-ScratchFloats gemm_scratch_floats(int64_t M, int64_t N, int64_t K, bool nt, bool serial);
+// The operand layouts of gemm_nt, gemm_nn and gemm_tn.
+enum class GemmLayout { NT, NN, TN };
+
+// The scratch one call of this shape asks for on the current SIMD target (gemm_nt's calls of a
+// few rows pack nothing; gemm_tn's of many threads may pack A once for all of them), `serial`
+// for the gemm_*_serial forms.
+ScratchFloats gemm_scratch_floats(GemmLayout layout, int64_t M, int64_t N, int64_t K, bool serial);
 
 // Dense-layer conveniences over contiguous buffers: x [T,in], W [out,in], y [T,out].
 inline void linear_forward(const float* x, const float* W, float* y, int64_t T, int64_t in,

@@ -58,14 +58,14 @@ Buf ReplayParts::linear_backward(const Lin& l, int64_t rows, bool new_dx) {
     }
     {
       Buf xs = lora_project(l, rows);
-      ws_.top(l.out, l.r, T);
+      ws_.top_tn(l.out, l.r, T);
     }
     {
       Buf xd = d_.dropout ? act(T * l.in) : Buf();
-      ws_.top(l.r, l.in, T);
+      ws_.top_tn(l.r, l.in, T);
     }
   }
-  if (d_.base_grads) ws_.top(l.out, l.in, T);
+  if (d_.base_grads) ws_.top_tn(l.out, l.in, T);
   return dx;
 }
 
@@ -246,7 +246,7 @@ Buf ReplayParts::moe_backward(const LayerShape& L, MoeSaved& s) {
   s.extra.reset();
   d_rows.reset();
   Buf d_logits = act(T * E);
-  if (d_.base_grads) ws_.top(E, D, T);
+  if (d_.base_grads) ws_.top_tn(E, D, T);
   ws_.top(T, D, E);
   s = {};
   return dx;
@@ -261,7 +261,7 @@ Buf ReplayParts::lm_head_loss() {
   Buf chunk = f32(MemCategory::Scratch, rows * d_.V);
   ws_.top(rows, d_.V, D);
   ws_.top(rows, D, d_.V);
-  if (d_.base_grads) ws_.top(d_.V, D, rows);
+  if (d_.base_grads) ws_.top_tn(d_.V, D, rows);
   return dh;
 }
 
@@ -449,14 +449,14 @@ class StepReplay : public ReplayParts {
         ws_.top(T, D, r);
       }
       Buf xs = lora_project(L.kv_a);
-      ws_.top(d_.kvr, r, T);
-      ws_.top(d_.dr, r, T);
+      ws_.top_tn(d_.kvr, r, T);
+      ws_.top_tn(d_.dr, r, T);
       Buf xd = d_.dropout ? act(T * D) : Buf();
-      ws_.top(r, D, T);
+      ws_.top_tn(r, D, T);
     }
     if (d_.base_grads) {
-      ws_.top(d_.kvr, D, T);
-      ws_.top(d_.dr, D, T);
+      ws_.top_tn(d_.kvr, D, T);
+      ws_.top_tn(d_.dr, D, T);
     }
     s = {};
     return dx;
@@ -517,16 +517,16 @@ ReplayResult replay_training_step(const Dims& d, const std::vector<LayerShape>& 
 }
 
 // ---------------------------------------------------------------- kernel workspace
-// kernels/kernel_scratch.h: per thread, slot 0 holds the fp32 GEMM's packed B (or an MXFP4
-// kernel's x panel / decoded W panel), slot 1 the GEMM's packed A panels (or MXFP4's decoded W
+// kernels/kernel_scratch.h: per thread, slot 0 holds the fp32 GEMM's packed B (and gemm_tn's A
+// packed for all threads; or an MXFP4 kernel's x panel / decoded W panel), slot 1 the GEMM's packed A panels (or MXFP4's decoded W
 // rows). Each slot keeps the largest request it saw, and the kernels say what each call
 // requests (gemm_scratch_floats, mxfp4_gemm_*_scratch_floats). What is modelled here is which
 // thread asks: top-level GEMMs pack B on the calling (main) thread and hand row blocks to every
 // thread when wide enough; serial GEMMs inside parallel loops, and the MXFP4 kernels, run on
 // any thread.
 
-void Workspace::top(int64_t M, int64_t N, int64_t K, bool nt) {
-  const ScratchFloats s = gemm_scratch_floats(M, N, K, nt, /*serial=*/false);
+void Workspace::top(int64_t M, int64_t N, int64_t K, GemmLayout layout) {
+  const ScratchFloats s = gemm_scratch_floats(layout, M, N, K, /*serial=*/false);
   main0_ = std::max(main0_, s.slot0);
   main1_ = std::max(main1_, s.slot1);
   if (M * N * K >= kGemmParallelMinWork) any1_ = std::max(any1_, s.slot1);
@@ -537,8 +537,8 @@ void Workspace::on_any_thread(ScratchFloats s) {
   any1_ = std::max(any1_, s.slot1);
 }
 
-void Workspace::serial(int64_t M, int64_t N, int64_t K, bool nt) {
-  on_any_thread(gemm_scratch_floats(M, N, K, nt, /*serial=*/true));
+void Workspace::serial(int64_t M, int64_t N, int64_t K, GemmLayout layout) {
+  on_any_thread(gemm_scratch_floats(layout, M, N, K, /*serial=*/true));
 }
 
 // An expert's calls have any number of rows up to m, and a smaller call may run a kernel with a

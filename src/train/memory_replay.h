@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/memory.h"
+#include "kernels/gemm.h"
 #include "kernels/kernel_scratch.h"
 
 namespace moe::memory_replay {
@@ -46,13 +47,14 @@ class Ledger {
 // kernel reports what a call asks for on the current SIMD target (see memory_replay.cpp).
 class Workspace {
  public:
-  // A gemm_nt/nn/tn called outside parallel loops (`nt`: gemm_nt, whose calls of a few rows
-  // pack nothing).
-  void top(int64_t M, int64_t N, int64_t K, bool nt = false);
-  void top_nt(int64_t M, int64_t N, int64_t K) { top(M, N, K, true); }
+  // A gemm_nn called outside parallel loops; _nt: gemm_nt, whose calls of a few rows pack
+  // nothing; _tn: gemm_tn, which may pack A once for all threads.
+  void top(int64_t M, int64_t N, int64_t K, GemmLayout layout = GemmLayout::NN);
+  void top_nt(int64_t M, int64_t N, int64_t K) { top(M, N, K, GemmLayout::NT); }
+  void top_tn(int64_t M, int64_t N, int64_t K) { top(M, N, K, GemmLayout::TN); }
   // A gemm_*_serial inside a parallel loop: any thread.
-  void serial(int64_t M, int64_t N, int64_t K, bool nt = false);
-  void serial_nt(int64_t M, int64_t N, int64_t K) { serial(M, N, K, true); }
+  void serial(int64_t M, int64_t N, int64_t K, GemmLayout layout = GemmLayout::NN);
+  void serial_nt(int64_t M, int64_t N, int64_t K) { serial(M, N, K, GemmLayout::NT); }
   // mxfp4_gemm_nt / _nn calls of up to m rows (inside parallel loops).
   void mxfp4_nt(int64_t m);
   void mxfp4_nn(int64_t m);

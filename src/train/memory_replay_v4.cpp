@@ -203,7 +203,7 @@ class V4StepReplay : public ReplayParts {
   void hc_project_backward(int64_t mixes) {
     const int64_t N = v_.n * d_.D;
     ws_.top(d_.T, N, mixes);
-    if (d_.base_grads) ws_.top(mixes, N, d_.T);
+    if (d_.base_grads) ws_.top_tn(mixes, N, d_.T);
   }
 
   Buf hc_pre(const Buf& X, HcSaved& s) {
@@ -294,7 +294,7 @@ class V4StepReplay : public ReplayParts {
     ws_.top_nt(m, features, d_.D);
     if (!backward) return;
     ws_.top(m, d_.D, features);
-    if (d_.base_grads) ws_.top(features, d_.D, m);
+    if (d_.base_grads) ws_.top_tn(features, d_.D, m);
   }
 
   // V4Compressor::forward: the entries [B, W, dc]; c, z and the pooled rows are temporaries.
@@ -460,7 +460,7 @@ class V4StepReplay : public ReplayParts {
       attention_core_workspace(L.ratio, true);
     }
     if (need_o) {
-      ws_.top(ol, gi, T);
+      ws_.top_tn(ol, gi, T);
       o.reset();
     }
     dz.reset();
