@@ -129,6 +129,7 @@ constexpr int64_t kNc = kN == 16 ? 1024 : 512;
 constexpr int64_t kMcShort = 4 * kMr;
 constexpr int64_t kMcTall = 16 * kMr;
 constexpr int64_t kFloatBytes = sizeof(float);
+constexpr int64_t kLineFloats = 64 / kFloatBytes;
 int64_t tall_rows() {
   return std::clamp(l2_cache_bytes() / 4 / (kKc * kFloatBytes) / kMr * kMr, kMcShort, kMcTall);
 }
@@ -402,10 +403,24 @@ constexpr int64_t kSliceBytes = 512 * 1024;
 // stream evicts them: 2048³ (nt, nn) with its rows in place ran 0.66-0.68 of the FMA peak
 // against 0.65-0.74 copied, so those strides keep the copy (docs/PERF.md, session 27).
 bool rows_in_place(int64_t lda) {
-  constexpr int64_t kLineFloats = 16, kL1Sets = 64;
+  constexpr int64_t kL1Sets = 64;
   uint64_t sets = 0;
   for (int64_t i = 0; i < kMr; ++i) sets |= uint64_t{1} << (i * lda / kLineFloats % kL1Sets);
   return std::popcount(sets) >= kMr / 2;
+}
+
+// The C tile at (i, j) of the next micro-kernel call (rows below i1, columns below j1), fetched
+// for writing while this call runs. Its kMr rows lie a row stride apart, often in memory (a
+// fresh output) or where large strides crowd a few cache sets, and the call's first k's would
+// wait for them. Expert-shaped products on cold operands (256 × 256 × 320) ran 5-8% faster, the
+// `small` model 1.027× the tokens/s (median of 8 alternated pairs), and `bench_moe`'s train step
+// 0.52-0.55 → 0.55-0.59 of the FMA peak (docs/PERF.md, session 28).
+HWY_INLINE void prefetch_c_tile(const Problem& p, int64_t i, int64_t j, int64_t i1, int64_t j1) {
+  const int64_t rows = std::min<int64_t>(kMr, i1 - i);
+  for (int64_t r = 0; r < rows; ++r)
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kNr; v += kLineFloats)
+      if (j + v < j1) __builtin_prefetch(p.C + (i + r) * p.ldc + j + v, /*rw=*/1);
 }
 
 void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t kcb, int64_t i0,
@@ -422,17 +437,20 @@ void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t
     const int64_t most = std::max<int64_t>(1, kSliceBytes / panel_bytes);
     const int64_t slice = ceil_div(panels, ceil_div(panels, most)) * kNr;
     if (!in_place && !a.abuf) pack_a(p, i0, i1, pc, kc, abuf);
-    for (int64_t js = j0; js < j1; js += slice)
+    for (int64_t js = j0; js < j1; js += slice) {
+      const int64_t je = std::min(j1, js + slice);
       for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
         const size_t rows = static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1);
         const float* ap = in_place ? p.A + i * p.lda + pc
                           : a.abuf ? a.panel(kb, i) : abuf + q * kAPanel;
-        for (int64_t j = js; j < std::min(j1, js + slice); j += kNr) {
+        for (int64_t j = js; j < je; j += kNr) {
           const int64_t cols = std::min(kNr, j1 - j);
+          prefetch_c_tile(p, j + kNr < je ? i : i + kMr, j + kNr < je ? j + kNr : js, i1, je);
           kMicroKernels[static_cast<int>(from)][cols == kNr][rows](
               ap, b.panel(kb, kc, j), kc, p.C + i * p.ldc + j, p.ldc, load_c, cols, p.lda);
         }
       }
+    }
   }
 }
 
