@@ -27,8 +27,8 @@
 //
 // * Threads. All threads pack a column block of B together into one shared buffer, then take
 //   tasks (row blocks, and column parts when rows alone are too few) dynamically, each packing
-//   its A panels into per-thread scratch (tn with few rows of C: all threads pack A once, too). Any cut gives the same bits, so the cut is chosen for
-//   speed only.
+//   its A panels into per-thread scratch (tn with few rows of C: all threads pack A once, as
+//   B). Any cut gives the same bits, so the cut is chosen for speed only.
 
 #include <algorithm>
 #include <array>
@@ -351,7 +351,8 @@ void pack_a_k_major(const Problem& p, int64_t i0, int64_t i1, int64_t pc, int64_
     for (int64_t q = 0; q < full; ++q)
       std::memcpy(out + q * panel_floats + k * kMr, src + q * kMr, sizeof(float) * kMr);
     if (rest)
-      std::memcpy(out + full * panel_floats + k * rest, src + full * kMr, sizeof(float) * static_cast<size_t>(rest));
+      std::memcpy(out + full * panel_floats + k * rest, src + full * kMr,
+                  sizeof(float) * static_cast<size_t>(rest));
   }
 }
 
@@ -359,7 +360,8 @@ void pack_a_k_major(const Problem& p, int64_t i0, int64_t i1, int64_t pc, int64_
 void pack_a(const Problem& p, int64_t i0, int64_t i1, int64_t pc, int64_t kc, float* out) {
   if (p.layout == Layout::TN) return pack_a_k_major(p, i0, i1, pc, 0, kc, kAPanel, out);
   for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q)
-    kPackA[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)](p, i, pc, kc, out + q * kAPanel);
+    kPackA[static_cast<size_t>(std::min<int64_t>(kMr, i1 - i) - 1)](p, i, pc, kc,
+                                                                    out + q * kAPanel);
 }
 
 // tn's A packed once for all tasks, by all threads together, as B is (null abuf: each task packs
@@ -413,8 +415,9 @@ bool rows_in_place(int64_t lda) {
 // for writing while this call runs. Its kMr rows lie a row stride apart, often in memory (a
 // fresh output) or where large strides crowd a few cache sets, and the call's first k's would
 // wait for them. Expert-shaped products on cold operands (256 × 256 × 320) ran 5-8% faster, the
-// `small` model 1.027× the tokens/s (median of 8 alternated pairs), and `bench_moe`'s train step
-// 0.52-0.55 → 0.55-0.59 of the FMA peak (docs/PERF.md, session 28).
+// `small` model 1.023× the tokens/s (median of 6 alternated pairs), and `bench_moe`'s train step
+// 0.543-0.546 → 0.562-0.578 of the FMA peak. Inlined: as a call it gained nothing, the heads'
+// attention products running only 16-64 k's per call (docs/PERF.md, session 28).
 HWY_INLINE void prefetch_c_tile(const Problem& p, int64_t i, int64_t j, int64_t i1, int64_t j1) {
   const int64_t rows = std::min<int64_t>(kMr, i1 - i);
   for (int64_t r = 0; r < rows; ++r)
@@ -477,7 +480,7 @@ constexpr int64_t kAPanelsFloats = ceil_div(kMcTall, kMr) * kAPanel;
 // packing its own rows reads 4-16 micro-panels' worth of each A row (a k), one row after
 // another at A's full stride, and again for each column part; where all threads pack A
 // together, each reads whole rows. M = 256, N = 320, K = 2048 (the `small` model's shared
-// expert) on two threads: 240-246 GFLOP/s packed per task, 273-276 packed once (medians of 200
+// expert) on two threads: 240-249 GFLOP/s packed per task, 273-276 packed once (medians of 200
 // calls); M = 1024 level (docs/PERF.md, session 28). Floats of that copy; 0 where tasks pack
 // their own.
 int64_t shared_a_floats(Layout layout, int64_t M, const Blocking& b, bool several_threads,
@@ -637,7 +640,8 @@ ScratchFloats scratch_floats(Layout layout, int64_t M, int64_t N, int64_t K, boo
   const int64_t max_k = slice_k(max_packed_b);
   auto slot0 = [&](int64_t k) {
     const Blocking b = blocking(N, k, max_packed_b);
-    return b.k_blocks * b.block_floats + shared_a_floats(layout, M, b, several_threads, max_packed_b);
+    return b.k_blocks * b.block_floats +
+           shared_a_floats(layout, M, b, several_threads, max_packed_b);
   };
   int64_t b = slot0(std::min(K, max_k));
   if (K > max_k && K % max_k != 0) b = std::max(b, slot0(K % max_k));

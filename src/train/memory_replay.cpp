@@ -518,12 +518,12 @@ ReplayResult replay_training_step(const Dims& d, const std::vector<LayerShape>& 
 
 // ---------------------------------------------------------------- kernel workspace
 // kernels/kernel_scratch.h: per thread, slot 0 holds the fp32 GEMM's packed B (and gemm_tn's A
-// packed for all threads; or an MXFP4 kernel's x panel / decoded W panel), slot 1 the GEMM's packed A panels (or MXFP4's decoded W
-// rows). Each slot keeps the largest request it saw, and the kernels say what each call
-// requests (gemm_scratch_floats, mxfp4_gemm_*_scratch_floats). What is modelled here is which
-// thread asks: top-level GEMMs pack B on the calling (main) thread and hand row blocks to every
-// thread when wide enough; serial GEMMs inside parallel loops, and the MXFP4 kernels, run on
-// any thread.
+// packed for all threads; or an MXFP4 kernel's x panel / decoded W panel), slot 1 the GEMM's
+// packed A panels (or MXFP4's decoded W rows). Each slot keeps the largest request it saw, and
+// the kernels say what each call requests (gemm_scratch_floats, mxfp4_gemm_*_scratch_floats).
+// What is modelled here is which thread asks: top-level GEMMs pack B on the calling (main)
+// thread and hand row blocks to every thread when wide enough; serial GEMMs inside parallel
+// loops, and the MXFP4 kernels, run on any thread.
 
 void Workspace::top(int64_t M, int64_t N, int64_t K, GemmLayout layout) {
   const ScratchFloats s = gemm_scratch_floats(layout, M, N, K, /*serial=*/false);
