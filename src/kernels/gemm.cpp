@@ -64,6 +64,12 @@ struct Problem {
   float b(int64_t k, int64_t j) const { return layout == Layout::NT ? B[j * ldb + k] : B[k * ldb + j]; }
 };
 
+// Whether a call runs on all threads: the parallel forms, where the product is large enough to be
+// worth waking them. The call and its scratch report both ask this.
+inline bool runs_wide(bool parallel, int64_t M, int64_t N, int64_t K) {
+  return parallel && M * N * K >= kGemmParallelMinWork;
+}
+
 // A rectangle of C: rows [i0, i1), columns [j0, j1).
 struct Block {
   int64_t i0, i1, j0, j1;
@@ -448,7 +454,8 @@ void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t
                           : a.abuf ? a.panel(kb, i) : abuf + q * kAPanel;
         for (int64_t j = js; j < je; j += kNr) {
           const int64_t cols = std::min(kNr, j1 - j);
-          prefetch_c_tile(p, j + kNr < je ? i : i + kMr, j + kNr < je ? j + kNr : js, i1, je);
+          const bool slice_row_ends = j + kNr >= je;  // the next call starts the next row
+          prefetch_c_tile(p, slice_row_ends ? i + kMr : i, slice_row_ends ? js : j + kNr, i1, je);
           kMicroKernels[static_cast<int>(from)][cols == kNr][rows](
               ap, b.panel(kb, kc, j), kc, p.C + i * p.ldc + j, p.ldc, load_c, cols, p.lda);
         }
@@ -494,9 +501,9 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
   const auto [k_blocks, kcb, nc_max, block_floats] = blk;
   const int64_t a_floats = shared_a_floats(p.layout, p.M, blk, threads > 1, max_packed_b);
   float* bbuf = kernel_scratch(0, k_blocks * block_floats + a_floats);
-  const PackedA a{a_floats ? bbuf + k_blocks * block_floats : nullptr, ceil_div(p.M, kMr),
-                  kcb * kMr};
-  if (a_floats) {
+  float* const abuf = a_floats ? bbuf + k_blocks * block_floats : nullptr;
+  const PackedA a{abuf, ceil_div(p.M, kMr), kcb * kMr};
+  if (abuf) {
     // Items of kPackRows rows of A (k's), each read whole, front to back.
     constexpr int64_t kPackRows = 32;
     const int64_t per_block = ceil_div(kcb, kPackRows);
@@ -505,7 +512,7 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
       const int64_t kc = std::min(kcb, p.K - kb * kcb);
       if (k0 < kc)
         pack_a_k_major(p, 0, p.M, kb * kcb, k0, std::min(kc, k0 + kPackRows), a.panel_floats,
-                       bbuf + k_blocks * block_floats + kb * a.panels * a.panel_floats);
+                       abuf + kb * a.panels * a.panel_floats);
     });
   }
   const bool tall = k_blocks * block_floats * kFloatBytes > l2_cache_bytes() / 2;
@@ -671,7 +678,7 @@ void Gemm(const Problem& p, int threads, bool per_thread) {
 // thread count is known only when it runs): a bound.
 ScratchFloats GemmScratch(Layout layout, int64_t M, int64_t N, int64_t K, bool per_thread) {
   if (M <= 0 || N <= 0 || K <= 0) return {};
-  return scratch_floats(layout, M, N, K, !per_thread && M * N * K >= kGemmParallelMinWork,
+  return scratch_floats(layout, M, N, K, runs_wide(!per_thread, M, N, K),
                         per_thread ? kGemmPackedBFloatsPerThread : kGemmPackedBFloatsShared);
 }
 
@@ -700,7 +707,7 @@ void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_
     return;
   }
   const Problem p{layout, M, N, K, A, lda, B, ldb, C, ldc, accumulate};
-  const bool wide = parallel && M * N * K >= kGemmParallelMinWork;
+  const bool wide = gemm_detail::runs_wide(parallel, M, N, K);
   MOE_DISPATCH(Gemm)(p, wide ? num_threads() : 1, !parallel);
 }
 

@@ -47,8 +47,9 @@ class Ledger {
 // kernel reports what a call asks for on the current SIMD target (see memory_replay.cpp).
 class Workspace {
  public:
-  // A gemm_nn called outside parallel loops; _nt: gemm_nt, whose calls of a few rows pack
-  // nothing; _tn: gemm_tn, which may pack A once for all threads.
+  // A gemm_nt or gemm_nn called outside parallel loops (the two ask the same of the scratch,
+  // except gemm_nt's calls of a few rows, which pack nothing: top_nt); top_tn: a gemm_tn, which
+  // may pack A once for all threads.
   void top(int64_t M, int64_t N, int64_t K, GemmLayout layout = GemmLayout::NN);
   void top_nt(int64_t M, int64_t N, int64_t K) { top(M, N, K, GemmLayout::NT); }
   void top_tn(int64_t M, int64_t N, int64_t K) { top(M, N, K, GemmLayout::TN); }
