@@ -422,8 +422,9 @@ bool rows_in_place(int64_t lda) {
 // fresh output) or where large strides crowd a few cache sets, and the call's first k's would
 // wait for them. Expert-shaped products on cold operands (256 × 256 × 320) ran 5-8% faster, the
 // `small` model 1.023× the tokens/s (median of 6 alternated pairs), and `bench_moe`'s train step
-// 0.543-0.546 → 0.562-0.578 of the FMA peak. Inlined: as a call it gained nothing, the heads'
-// attention products running only 16-64 k's per call (docs/PERF.md, session 28).
+// 0.543-0.546 → 0.562-0.578 of the FMA peak. Inlined by force: GCC takes a function whose only
+// effect is a prefetch for a pure one and deletes its calls, so as a called function this one
+// did nothing at all (docs/PERF.md, sessions 28 and 29).
 HWY_INLINE void prefetch_c_tile(const Problem& p, int64_t i, int64_t j, int64_t i1, int64_t j1) {
   const int64_t rows = std::min<int64_t>(kMr, i1 - i);
   for (int64_t r = 0; r < rows; ++r)

@@ -378,7 +378,11 @@ HWY_INLINE void nt_fused_tile(const float* xp, int64_t xs, const uint8_t* const*
         }
     }
   };
-  auto prefetch = [&](int64_t k) {
+  // Inlined by force: GCC takes a function whose only effect is a prefetch for a pure one and
+  // deletes the calls. As a plain lambda this one was gone from every fused tile (9bb34ed), and
+  // one token's exact decode kept 0.58 of the DRAM read instead of 0.76-0.80 (docs/PERF.md,
+  // session 29).
+  auto prefetch = [&](int64_t k) HWY_ATTR __attribute__((always_inline)) {
 #pragma GCC unroll 16
     for (int b = 0; b < B; ++b) hwy::Prefetch(next_wp[b] + k * 16);
   };
