@@ -291,10 +291,10 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
     // next panel, which the next call reads) is fetched into L1 now. Each k reads two lines of
     // B, and where the B slice is not yet in L2 (its first micro-panel, or an expert's weights
     // packed just before) the loads waited on L3. 2048³ on two threads, 8 alternated rounds:
-    // nt, nn, tn ahead in 8, 8 and 6 of them, 1.03-1.07x in means; `bench_moe`'s expert forward
-    // and train step 1.04x and 1.03x in means of 10 rounds; 512³ on one thread (B in L2) and the
-    // `small` model level. AVX2 (one line per k) was level or slower with it (docs/PERF.md,
-    // session 30). Inline: GCC deletes calls to a function that only prefetches.
+    // nt and nn ahead in all, tn in 5 (one level), 1.02-1.07x in means; `bench_moe`'s expert
+    // forward and train step 1.04x and 1.03x in means of 10 rounds; 512³ on one thread (B in
+    // L2) and the `small` model level. AVX2 (one line per k) was level or slower with it
+    // (docs/PERF.md, session 30). Inline: GCC deletes calls to a function that only prefetches.
     if constexpr (kN == 16)
 #pragma GCC unroll 4
       for (int64_t v = 0; v < kNr; v += kLineFloats)
