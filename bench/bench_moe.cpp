@@ -3,6 +3,8 @@
 //  * ExpertGemm/{Forward,Backward}: the grouped expert GEMMs alone under skewed routing with
 //    empty experts; each iteration also times one dense engine GEMM of the same FLOPs (outside
 //    the measured time), so ratio_vs_dense compares rates taken side by side in one run.
+//  * ExpertGemm/ForwardEven/R: the forward with R rows for every expert (fine-grained experts,
+//    where few tokens meet each expert's weights).
 //  * MoELayer/TrainStep: the whole layer (router, dispatch, experts, combine, 2 shared experts)
 //    forward + backward.
 // Every rate is also given as of_fma_peak, against the fp32 FMA peak measured at the start.
@@ -100,8 +102,17 @@ GemmFixture& fixture() {
   return f;
 }
 
+// The same rows for every expert.
+ExpertSegments even_segments(int64_t rows) {
+  ExpertSegments seg;
+  seg.offsets.assign(1, 0);
+  for (int64_t e = 0; e < kExperts; ++e) seg.offsets.push_back(seg.offsets.back() + rows);
+  return seg;
+}
+
 template <typename F>
-void run_gemm_bench(benchmark::State& state, double flops, F&& body) {
+void run_gemm_bench(benchmark::State& state, double flops, F&& body,
+                    const ExpertSegments& seg = fixture().seg) {
   GemmFixture& f = fixture();
   double grouped = 0, dense = 0;
   for (auto _ : state) {
@@ -119,9 +130,9 @@ void run_gemm_bench(benchmark::State& state, double flops, F&& body) {
   state.counters["ratio_vs_dense"] = dense / grouped;
   state.counters["of_fma_peak"] = flops * n * 1e-9 / grouped / bench::fma_peak_gflops();
   int64_t empty = 0, largest = 0;
-  for (int64_t e = 0; e < f.seg.experts(); ++e)
-    empty += f.seg.rows(e) == 0, largest = std::max(largest, f.seg.rows(e));
-  state.counters["rows"] = static_cast<double>(f.R);
+  for (int64_t e = 0; e < seg.experts(); ++e)
+    empty += seg.rows(e) == 0, largest = std::max(largest, seg.rows(e));
+  state.counters["rows"] = static_cast<double>(seg.total_rows());
   state.counters["empty_experts"] = static_cast<double>(empty);
   state.counters["largest_expert"] = static_cast<double>(largest);
 }
@@ -133,6 +144,18 @@ void BM_ExpertGemmForward(benchmark::State& state) {
     f.w.gate_up_forward(f.seg, f.x.data(), f.g.data(), f.u.data());
     f.w.down_forward(f.seg, f.h.data(), f.y.data());
   });
+}
+
+void BM_ExpertGemmForwardEven(benchmark::State& state) {
+  const ExpertSegments seg = even_segments(state.range(0));
+  const double flops = 6.0 * static_cast<double>(seg.total_rows()) * kDim * kHidden;
+  run_gemm_bench(
+      state, flops,
+      [&](GemmFixture& f) {
+        f.w.gate_up_forward(seg, f.x.data(), f.g.data(), f.u.data());
+        f.w.down_forward(seg, f.h.data(), f.y.data());
+      },
+      seg);
 }
 
 void BM_ExpertGemmBackward(benchmark::State& state) {
@@ -196,6 +219,13 @@ void BM_MoELayerTrainStep(benchmark::State& state) {
 
 BENCHMARK(BM_ExpertGemmForward)
     ->Name("ExpertGemm/Forward")
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(6)
+    ->UseRealTime();
+BENCHMARK(BM_ExpertGemmForwardEven)
+    ->Name("ExpertGemm/ForwardEven")
+    ->Arg(64)
+    ->Arg(192)
     ->Unit(benchmark::kMillisecond)
     ->Iterations(6)
     ->UseRealTime();

@@ -194,6 +194,60 @@ TEST(Gemm, TallRowBlocksAndTheirTailAreTheFmaChain) {
   set_num_threads(before);
 }
 
+TEST(Gemm, FewRowsAgainstLargeWeightsRunTransposedWithTheSameBits) {
+  // nt with 16-256 rows against weights whose packed copy overflows half the L2 (4.5 MiB here)
+  // computes Cᵀ = B·Aᵀ and transposes C tiles on their way out. Every row against the same row
+  // computed alone (the skinny path), sampled elements against the chain, and the whole product
+  // the same at 1, 2 and 3 threads and serial; with A's rows in place (stride 1,100) and copied
+  // (2,048), partial panels (20, 45, 100 rows) and partial micro-panels (1,030 weight rows).
+  const int before = num_threads();
+  for_each_simd_target([](simd::Target t) {
+    if (t == simd::Target::Scalar) return;
+    uint64_t seed = 300;
+    for (int64_t M : {20, 45, 100, 256})
+      for (int64_t pad : {0, 948})
+        for (bool accumulate : {false, true}) {
+          const Case c = make_case(Op::NT, M, 1030, 1100, seed++, pad);
+          set_num_threads(1);
+          const auto one = run(c, accumulate);
+          for (int64_t i = 0; i < M; ++i) {
+            std::vector<float> row(c.C0.begin() + i * c.ldc, c.C0.begin() + i * c.ldc + c.N);
+            gemm_nt(1, c.N, c.K, c.A.data() + i * c.lda, c.lda, c.B.data(), c.ldb, row.data(),
+                    c.N, accumulate);
+            ASSERT_EQ(
+                std::memcmp(row.data(), one.data() + i * c.ldc, row.size() * sizeof(float)), 0)
+                << "M=" << M << " lda=" << c.lda << " accumulate=" << accumulate << " row " << i;
+          }
+          for (int64_t i : {int64_t{0}, M / 2, M - 1})
+            for (int64_t j : {0, 11, 12, 1019, 1020, 1029}) {
+              float s = accumulate ? c.C0[i * c.ldc + j] : 0.0f;
+              for (int64_t k = 0; k < c.K; ++k) s = std::fma(c.a(i, k), c.b(k, j), s);
+              ASSERT_EQ(std::memcmp(&s, &one[i * c.ldc + j], sizeof s), 0)
+                  << "M=" << M << " lda=" << c.lda << " C(" << i << ", " << j << ")";
+            }
+          for (int threads : {2, 3}) {
+            set_num_threads(threads);
+            ASSERT_TRUE(same_bits(run(c, accumulate), one)) << "M=" << M << " threads " << threads;
+          }
+          ASSERT_TRUE(same_bits(run(c, accumulate, true), one)) << "M=" << M << " serial";
+        }
+    // A contraction longer than a slice (4,096 on AVX-512, 8,192 on AVX2) continues the
+    // transposed chains through C; rows alone take the skinny path, which has no slices.
+    const Case c = make_case(Op::NT, 40, 300, 9000, 29, 1);
+    for (bool accumulate : {false, true}) {
+      const auto got = run(c, accumulate, true);
+      for (int64_t i = 0; i < c.M; ++i) {
+        std::vector<float> row(c.C0.begin() + i * c.ldc, c.C0.begin() + i * c.ldc + c.N);
+        gemm_nt(1, c.N, c.K, c.A.data() + i * c.lda, c.lda, c.B.data(), c.ldb, row.data(), c.N,
+                accumulate);
+        ASSERT_EQ(std::memcmp(row.data(), got.data() + i * c.ldc, row.size() * sizeof(float)), 0)
+            << "K=9000 accumulate=" << accumulate << " row " << i;
+      }
+    }
+  });
+  set_num_threads(before);
+}
+
 TEST(Gemm, AccumulatingContinuesTheChain) {
   // dW over K1 rows then K2 more rows equals one call over K1 + K2 (gradient accumulation over
   // micro-batches is bitwise one big batch).

@@ -23,7 +23,9 @@
 //   sets (rows_in_place); then, and for tn, A is copied per kMr-row micro-panel so that the
 //   broadcasts walk one contiguous stream: in chunks of 16 k's per row for nt/nn, k-major for
 //   tn — a copy, never a transposition. The micro-panel (≤ 24 KiB) stays in L1 while the B
-//   panels stream from L2.
+//   panels stream from L2. nt with a few hundred rows or fewer against weights too large for
+//   the L2 runs as its transpose Cᵀ = B·Aᵀ, so that the small operand is the packed one
+//   (transposed_pays).
 //
 // * Threads. All threads pack a column block of B together into one shared buffer, then take
 //   tasks (row blocks, and column parts when rows alone are too few) dynamically, each packing
@@ -59,6 +61,9 @@ struct Problem {
   float* C;
   int64_t ldc;
   bool accumulate;
+  // C(i, j) is stored at C[j·ldc + i]: the problem is the transpose of the caller's (see
+  // transposed_pays).
+  bool c_transposed = false;
 
   float a(int64_t i, int64_t k) const { return layout == Layout::TN ? A[k * lda + i] : A[i * lda + k]; }
   float b(int64_t k, int64_t j) const { return layout == Layout::NT ? B[j * ldb + k] : B[k * ldb + j]; }
@@ -440,20 +445,74 @@ bool rows_in_place(int64_t lda) {
 // 0.543-0.546 → 0.562-0.578 of the FMA peak. Inlined by force: GCC takes a function whose only
 // effect is a prefetch for a pure one and deletes its calls, so as a called function this one
 // did nothing at all (docs/PERF.md, sessions 28 and 29).
-HWY_INLINE void prefetch_c_tile(const Problem& p, int64_t i, int64_t j, int64_t i1, int64_t j1) {
+HWY_INLINE void prefetch_c_tile(float* c, int64_t ldc, int64_t i, int64_t j, int64_t i1,
+                                int64_t j1) {
   const int64_t rows = std::min<int64_t>(kMr, i1 - i);
   for (int64_t r = 0; r < rows; ++r)
 #pragma GCC unroll 4
     for (int64_t v = 0; v < kNr; v += kLineFloats)
-      if (j + v < j1) __builtin_prefetch(p.C + (i + r) * p.ldc + j + v, /*rw=*/1);
+      if (j + v < j1) __builtin_prefetch(c + (i + r) * ldc + j + v, /*rw=*/1);
 }
 
+// A transposed problem's C block (rows [i0, i1) × columns [j0, j1), at `block` with row stride
+// ld) from and to C, where C(i, j) lies at C[j·ldc + i]: kN × kN squares transposed in
+// registers. A tile's kNr columns are as many rows of the caller's C, each written kMr floats at
+// a time, so tiles stay in the block until their last K block, and only then go out: storing
+// and reloading them transposed on every K block made the transposed products no faster.
+void load_block_transposed(const Problem& p, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                           float* block, int64_t ld) {
+  const D d;
+  for (int64_t j = j0; j < j1; j += kN)
+    for (int64_t i = i0; i < i1; i += kN) {
+      const int64_t cols = std::min(kN, j1 - j), rows = std::min(kN, i1 - i);
+      const auto lanes = hn::FirstN(d, static_cast<size_t>(cols));
+      with_transposed_square(p.C + j * p.ldc + i, p.ldc, cols, rows, [&](const V* r) {
+        for (int64_t q = 0; q < rows; ++q)
+          hn::BlendedStore(r[q], lanes, d, block + (i - i0 + q) * ld + (j - j0));
+      });
+    }
+}
+
+void store_block_transposed(const Problem& p, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                            const float* block, int64_t ld) {
+  const D d;
+  for (int64_t j = j0; j < j1; j += kN)
+    for (int64_t i = i0; i < i1; i += kN) {
+      const int64_t cols = std::min(kN, j1 - j), rows = std::min(kN, i1 - i);
+      const auto lanes = hn::FirstN(d, static_cast<size_t>(rows));
+      with_transposed_square(block + (i - i0) * ld + (j - j0), ld, rows, cols, [&](const V* r) {
+        for (int64_t c = 0; c < cols; ++c)
+          hn::BlendedStore(r[c], lanes, d, p.C + (j + c) * p.ldc + i);
+      });
+    }
+}
+
+// The lines of the caller's C that the transposed tile at (i, j) will write (kNr rows of C from
+// j, kMr floats each from i), fetched for writing while the call before it runs.
+HWY_INLINE void prefetch_c_tile_transposed(const Problem& p, int64_t i, int64_t j, int64_t i1,
+                                           int64_t j1) {
+  if (i >= i1) return;
+  const int64_t last = std::min(i1, i + kMr) - 1;
+  for (int64_t c = 0; c < std::min(kNr, j1 - j); ++c) {
+    float* row = p.C + (j + c) * p.ldc;
+    __builtin_prefetch(row + i, /*rw=*/1);
+    __builtin_prefetch(row + last, /*rw=*/1);  // kMr floats may cross into the next line
+  }
+}
+
+// Floats of a transposed problem's C block for rows and columns of at most these extents.
+int64_t c_block_floats(int64_t rows, int64_t cols) { return rows * round_up(cols, kN); }
+
 void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t kcb, int64_t i0,
-                   int64_t i1, int64_t j0, int64_t j1, float* abuf) {
+                   int64_t i1, int64_t j0, int64_t j1, float* abuf, float* cbuf) {
   const bool k_major = p.layout == Layout::TN;
   const bool in_place = !k_major && rows_in_place(p.lda);
   const AFrom from = in_place ? AFrom::InPlace : k_major ? AFrom::KMajorPanel : AFrom::Panel;
   const int64_t panels = ceil_div(j1 - j0, kNr);
+  // C(i0, j0) of the tiles: C itself, or a transposed problem's block in cbuf.
+  const int64_t ldc = p.c_transposed ? round_up(j1 - j0, kN) : p.ldc;
+  float* const c0 = p.c_transposed ? cbuf : p.C + i0 * p.ldc + j0;
+  if (p.c_transposed && p.accumulate) load_block_transposed(p, i0, i1, j0, j1, cbuf, ldc);
   for (int64_t pc = 0, kb = 0; pc < p.K; pc += kcb, ++kb) {
     const int64_t kc = std::min(kcb, p.K - pc);
     const bool load_c = p.accumulate || pc > 0;
@@ -462,6 +521,7 @@ void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t
     const int64_t most = std::max<int64_t>(1, kSliceBytes / panel_bytes);
     const int64_t slice = ceil_div(panels, ceil_div(panels, most)) * kNr;
     if (!in_place && !a.abuf) pack_a(p, i0, i1, pc, kc, abuf);
+    const bool last = pc + kc >= p.K;
     for (int64_t js = j0; js < j1; js += slice) {
       const int64_t je = std::min(j1, js + slice);
       for (int64_t i = i0, q = 0; i < i1; i += kMr, ++q) {
@@ -471,9 +531,18 @@ void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t
         for (int64_t j = js; j < je; j += kNr) {
           const int64_t cols = std::min(kNr, j1 - j);
           const bool slice_row_ends = j + kNr >= je;  // the next call starts the next row
-          prefetch_c_tile(p, slice_row_ends ? i + kMr : i, slice_row_ends ? js : j + kNr, i1, je);
-          kMicroKernels[static_cast<int>(from)][cols == kNr][rows](
-              ap, b.panel(kb, kc, j), kc, p.C + i * p.ldc + j, p.ldc, load_c, cols, p.lda);
+          const int64_t next_i = slice_row_ends ? i + kMr : i;
+          const int64_t next_j = slice_row_ends ? js : j + kNr;
+          if (p.c_transposed && last) prefetch_c_tile_transposed(p, next_i, next_j, i1, je);
+          else prefetch_c_tile(c0, ldc, next_i - i0, next_j - j0, i1 - i0, je - j0);
+          float* const tile = c0 + (i - i0) * ldc + (j - j0);
+          kMicroKernels[static_cast<int>(from)][cols == kNr][rows](ap, b.panel(kb, kc, j), kc, tile,
+                                                                   ldc, load_c, cols, p.lda);
+          // A finished transposed tile goes out now, its stores draining while the next call
+          // computes; at the block's end they would all wait on C's lines at once.
+          if (p.c_transposed && last)
+            store_block_transposed(p, i, i + static_cast<int64_t>(rows) + 1, j, j + cols, tile,
+                                   ldc);
         }
       }
     }
@@ -495,8 +564,14 @@ Blocking blocking(int64_t N, int64_t K, int64_t max_packed_b) {
   const int64_t nc_max = std::clamp(max_packed_b / (k_blocks * kcb) / kNr * kNr, kNr, kNc);
   return {k_blocks, kcb, nc_max, kcb * std::min(nc_max, round_up(N, kNr))};
 }
-// A panels of one task (slot 1).
+// A panels of one task (slot 1; a transposed problem's C block follows them).
 constexpr int64_t kAPanelsFloats = ceil_div(kMcTall, kMr) * kAPanel;
+
+// Whether a column block of packed B overflows half the L2; row blocks are tall there.
+bool overflows_half_l2(const Blocking& b) {
+  return b.k_blocks * b.block_floats * kFloatBytes > l2_cache_bytes() / 2;
+}
+int64_t row_block(const Blocking& b) { return overflows_half_l2(b) ? tall_rows() : kMcShort; }
 
 // tn's A is packed once for all threads (PackedA, after packed B in slot 0) where it is at most a
 // quarter of max_packed_b: a weight gradient over many tokens with few output rows. A task
@@ -531,8 +606,8 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
                        abuf + kb * a.panels * a.panel_floats);
     });
   }
-  const bool tall = k_blocks * block_floats * kFloatBytes > l2_cache_bytes() / 2;
-  const int64_t mc = tall ? tall_rows() : kMcShort;
+  const int64_t mc = row_block(blk);
+  const int64_t c_floats = p.c_transposed ? c_block_floats(mc, std::min(nc_max, p.N)) : 0;
   // The last rows, 2·threads short blocks, end the loop (below); the rest are blocks of mc. Blocks
   // start at whole micro-panels, where a shared A's panels do.
   const int64_t head_m =
@@ -568,9 +643,10 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
       const int64_t r = (tail ? t - head_tasks : t) / n, c = (tail ? t - head_tasks : t) % n;
       const int64_t i0 = tail ? head_m + r * kMcShort : r * mc;
       const int64_t i1 = tail ? std::min(p.M, i0 + kMcShort) : std::min(head_m, i0 + mc);
+      float* const scratch = kernel_scratch(1, kAPanelsFloats + c_floats);
       compute_block(p, b, a, kcb, i0, i1, b.jc + c * width,
-                    std::min(b.jc + b.nc, b.jc + (c + 1) * width),
-                    kernel_scratch(1, kAPanelsFloats));
+                    std::min(b.jc + b.nc, b.jc + (c + 1) * width), scratch,
+                    scratch + kAPanelsFloats);
     };
     const int64_t tasks = head_tasks + tail_blocks * tail_parts;
     const int64_t pack_items = k_blocks * groups;
@@ -609,6 +685,8 @@ void run_sliced(const Problem& p, int threads, int64_t max_packed_b) {
 // transposed in registers (as pack_b does), and each of its k's feeds one FMA per row of x into
 // accumulators whose lanes are the columns j — the same chain per C(i, j), in the same k order.
 constexpr int64_t kSkinnyRows = 4;
+// Below a panel's width of rows, a transposed product's packed A would be mostly padding.
+constexpr int64_t kTransposedMinRows = kNr;
 
 template <int M>
 void skinny_columns(const Problem& p, int64_t j0) {
@@ -654,7 +732,30 @@ void run_skinny(const Problem& p, int threads) {
   else for (int64_t t = 0; t < tasks; ++t) task(t);
 }
 
+// nt with few rows of A (tokens) against many of B (weights: an expert's projection) runs
+// transposed, Cᵀ = B·Aᵀ, which is again nt: B's rows become the micro-panels the kernel
+// broadcasts from, A is what gets packed, and C tiles are transposed on their way out. Where B's
+// packed copy overflows half the L2, packing B reads the weights, writes a copy to L3 and reads
+// that back for only M rows; transposed, the weights are read once. The experts' forward (64
+// experts of 1024 × 704, weights from DRAM, the same rows per expert; docs/PERF.md, session 31):
+//   AVX-512: 64 rows 1.25x, 128 rows 1.09-1.11x, 192 rows 1.02x, 256 rows 1.01-1.06x;
+//   AVX2:    64 rows 1.23-1.25x, 128 rows 1.08-1.16x, 192 rows level.
+// Single products of 384-1000 rows ran level or slower, and 0.95x where the weights fit the L2.
+// Each C(i, j) is the same chain, since fma(a, b, c) = fma(b, a, c) bit for bit.
+constexpr int64_t kTransposedMaxRows = 256;
+
+bool transposed_pays(Layout layout, int64_t M, int64_t N, int64_t K, int64_t max_packed_b) {
+  return layout == Layout::NT && M >= kTransposedMinRows && M <= kTransposedMaxRows && M < N &&
+         overflows_half_l2(blocking(N, std::min(K, slice_k(max_packed_b)), max_packed_b));
+}
+
+Problem transposed(const Problem& p) {
+  return {p.layout, p.N, p.M, p.K, p.B, p.ldb, p.A, p.lda, p.C, p.ldc, p.accumulate, true};
+}
+
 void run_any(const Problem& p, int threads, int64_t max_packed_b) {
+  if (transposed_pays(p.layout, p.M, p.N, p.K, max_packed_b))
+    return run_sliced(transposed(p), threads, max_packed_b);
   if (p.layout == Layout::NT && p.M <= kSkinnyRows) {
     switch (p.M) {
       case 1: return run_skinny<1>(p, threads);
@@ -670,16 +771,22 @@ void run_any(const Problem& p, int threads, int64_t max_packed_b) {
 // panels of a task.
 ScratchFloats scratch_floats(Layout layout, int64_t M, int64_t N, int64_t K, bool several_threads,
                              int64_t max_packed_b) {
-  if (layout == Layout::NT && M <= kSkinnyRows) return {};
+  const bool c_transposed = transposed_pays(layout, M, N, K, max_packed_b);
+  if (c_transposed) std::swap(M, N);
+  else if (layout == Layout::NT && M <= kSkinnyRows) return {};
   const int64_t max_k = slice_k(max_packed_b);
-  auto slot0 = [&](int64_t k) {
+  auto slots = [&](int64_t k) {
     const Blocking b = blocking(N, k, max_packed_b);
-    return b.k_blocks * b.block_floats +
-           shared_a_floats(layout, M, b, several_threads, max_packed_b);
+    return ScratchFloats{
+        b.k_blocks * b.block_floats + shared_a_floats(layout, M, b, several_threads, max_packed_b),
+        kAPanelsFloats + (c_transposed ? c_block_floats(row_block(b), std::min(b.nc_max, N)) : 0)};
   };
-  int64_t b = slot0(std::min(K, max_k));
-  if (K > max_k && K % max_k != 0) b = std::max(b, slot0(K % max_k));
-  return {b, kAPanelsFloats};
+  ScratchFloats s = slots(std::min(K, max_k));
+  if (K > max_k && K % max_k != 0) {
+    const ScratchFloats rest = slots(K % max_k);
+    s = {std::max(s.slot0, rest.slot0), std::max(s.slot1, rest.slot1)};
+  }
+  return s;
 }
 
 #else  // no hardware FMA: the contract spelled out

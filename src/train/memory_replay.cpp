@@ -31,16 +31,16 @@ Buf ReplayParts::thread_slabs(int64_t bytes) {
 Buf ReplayParts::lora_project(const Lin& l, int64_t rows) {
   Buf xd = d_.dropout ? act(rows * l.in) : Buf();
   Buf xs = act(rows * l.r);
-  ws_.top(rows, l.r, l.in);
+  ws_.top_nt(rows, l.r, l.in);
   return xs;
 }
 
 Buf ReplayParts::linear_forward(const Lin& l, int64_t rows) {
   Buf y = act(rows * l.out);
-  ws_.top(rows, l.out, l.in);
+  ws_.top_nt(rows, l.out, l.in);
   if (l.r) {
     Buf xs = lora_project(l, rows);
-    ws_.top(rows, l.out, l.r);
+    ws_.top_nt(rows, l.out, l.r);
   }
   return y;
 }
@@ -48,13 +48,13 @@ Buf ReplayParts::linear_forward(const Lin& l, int64_t rows) {
 Buf ReplayParts::linear_backward(const Lin& l, int64_t rows, bool new_dx) {
   const int64_t T = rows;
   Buf dx = new_dx ? act(T * l.in) : Buf();
-  ws_.top(T, l.in, l.out);
+  ws_.top_nn(T, l.in, l.out);
   if (l.r) {
     Buf g = act(T * l.r);
-    ws_.top(T, l.r, l.out);
+    ws_.top_nn(T, l.r, l.out);
     {
       Buf d_xd = d_.dropout ? act(T * l.in) : Buf();
-      ws_.top(T, l.in, l.r);
+      ws_.top_nn(T, l.in, l.r);
     }
     {
       Buf xs = lora_project(l, rows);
@@ -104,48 +104,49 @@ Buf ReplayParts::swiglu_backward(const LayerShape& L, SwigluSaved& s) {
 void ReplayParts::grouped_forward_add(int64_t in, int64_t out, int64_t r) {
   Buf xd = d_.dropout ? act(d_.R * in) : Buf();
   Buf xs = act(d_.R * r);
-  ws_.serial(64, r, in);
-  ws_.serial(64, out, r);
+  ws_.serial_up_to(64, r, in, GemmLayout::NT);
+  ws_.serial_up_to(64, out, r, GemmLayout::NT);
 }
 
 Buf ReplayParts::grouped_grad_input(int64_t in, int64_t out, int64_t r) {
   Buf g = act(d_.R * r);
   Buf d_xd = d_.dropout ? act(d_.R * in) : Buf();
-  ws_.serial(64, r, out);
-  ws_.serial(64, in, r);
+  ws_.serial_nn(64, r, out);
+  ws_.serial_nn(64, in, r);
   return g;
 }
 
 void ReplayParts::grouped_grad_weights(int64_t in, int64_t out, int64_t r) {
   Buf xd = d_.dropout ? act(d_.R * in) : Buf();
   Buf xs = act(d_.R * r);
-  ws_.serial(64, r, in);
+  ws_.serial_up_to(64, r, in, GemmLayout::NT);
   const int64_t n = d_.max_rows_per_expert();
-  ws_.serial(std::min<int64_t>(1024, out), r, n);
-  ws_.serial(r, std::min<int64_t>(1024, in), n);
+  ws_.serial_tn(std::min<int64_t>(1024, out), r, n);
+  ws_.serial_tn(r, std::min<int64_t>(1024, in), n);
 }
 
 // Base expert matmuls: x [rows, in] · W[out, in]ᵀ (nt) or dy [rows, out] · W (nn).
 void ReplayParts::experts_nt(int64_t in, int64_t out) {
   const int64_t m = std::min<int64_t>(512, d_.max_rows_per_expert());
   if (d_.mxfp4) return ws_.mxfp4_nt(m);
-  ws_.serial(m, std::min<int64_t>(4096, out), in);
+  ws_.serial_up_to(m, std::min<int64_t>(4096, out), in, GemmLayout::NT);
 }
 
 void ReplayParts::experts_nn(int64_t in, int64_t out) {
   const int64_t m = std::min<int64_t>(512, d_.max_rows_per_expert());
   if (d_.mxfp4) return ws_.mxfp4_nn(m);
-  ws_.serial(m, std::min<int64_t>(4096, in), out);
+  ws_.serial_nn(m, std::min<int64_t>(4096, in), out);
 }
 
 void ReplayParts::experts_weight_grad(int64_t in, int64_t out) {
-  ws_.serial(std::min<int64_t>(4096, out), std::min<int64_t>(4096, in), d_.max_rows_per_expert());
+  ws_.serial_tn(std::min<int64_t>(4096, out), std::min<int64_t>(4096, in),
+                d_.max_rows_per_expert());
 }
 
 Buf ReplayParts::moe_forward(const LayerShape& L, MoeSaved& s) {
   const int64_t T = d_.T, D = d_.D, E = d_.E, R = d_.R, Im = d_.Im;
   Buf logits = act(T * E);
-  ws_.top(T, E, D);
+  ws_.top_nt(T, E, D);
   Buf ids = i32(MemCategory::Activations, T * d_.k), weights = act(T * d_.k),
       scores = act(T * E);
   logits.reset();
@@ -247,7 +248,7 @@ Buf ReplayParts::moe_backward(const LayerShape& L, MoeSaved& s) {
   d_rows.reset();
   Buf d_logits = act(T * E);
   if (d_.base_grads) ws_.top_tn(E, D, T);
-  ws_.top(T, D, E);
+  ws_.top_nn(T, D, E);
   s = {};
   return dx;
 }
@@ -259,9 +260,13 @@ Buf ReplayParts::lm_head_loss() {
   Buf dh = act(T * D);
   const int64_t rows = std::min(LMHeadLoss::chunk_rows(d_.V, D), T);
   Buf chunk = f32(MemCategory::Scratch, rows * d_.V);
-  ws_.top(rows, d_.V, D);
-  ws_.top(rows, D, d_.V);
-  if (d_.base_grads) ws_.top_tn(d_.V, D, rows);
+  // Every chunk but the last has `rows` rows.
+  for (const int64_t n : {rows, T % rows}) {
+    if (n == 0) continue;
+    ws_.top_nt(n, d_.V, D);
+    ws_.top_nn(n, D, d_.V);
+    if (d_.base_grads) ws_.top_tn(d_.V, D, n);
+  }
   return dh;
 }
 
@@ -337,18 +342,18 @@ class StepReplay : public ReplayParts {
     const int64_t S = d_.S;
     for (int64_t r0 = 0; r0 < S; r0 += 64) {
       const int64_t M = std::min<int64_t>(64, S - r0), N = r0 + M;
-      ws_.serial(M, N, d_.dn);
-      ws_.serial(M, N, d_.dr);
+      ws_.serial_nt(M, N, d_.dn);
+      ws_.serial_nt(M, N, d_.dr);
       if (!backward) {
-        ws_.serial(M, d_.dv, N);
+        ws_.serial_nn(M, d_.dv, N);
         continue;
       }
-      ws_.serial(N, d_.dv, M);
-      ws_.serial(M, N, d_.dv);
-      ws_.serial(M, d_.dn, N);
-      ws_.serial(M, d_.dr, N);
-      ws_.serial(N, d_.dn, M);
-      ws_.serial(N, d_.dr, M);
+      ws_.serial_tn(N, d_.dv, M);
+      ws_.serial_nt(M, N, d_.dv);
+      ws_.serial_nn(M, d_.dn, N);
+      ws_.serial_nn(M, d_.dr, N);
+      ws_.serial_tn(N, d_.dn, M);
+      ws_.serial_tn(N, d_.dr, M);
     }
   }
 
@@ -367,12 +372,12 @@ class StepReplay : public ReplayParts {
       q = linear_forward(L.q);
     }
     Buf c_kv = act(T * d_.kvr), k_pe = act(T * d_.dr);
-    ws_.top(T, d_.kvr, d_.D);
-    ws_.top(T, d_.dr, d_.D);
+    ws_.top_nt(T, d_.kvr, d_.D);
+    ws_.top_nt(T, d_.dr, d_.D);
     if (L.kv_a.r) {
       Buf xs = lora_project(L.kv_a);
-      ws_.top(T, d_.kvr, L.kv_a.r);
-      ws_.top(T, d_.dr, L.kv_a.r);
+      ws_.top_nt(T, d_.kvr, L.kv_a.r);
+      ws_.top_nt(T, d_.dr, L.kv_a.r);
     }
     Buf kv;
     {
@@ -437,16 +442,16 @@ class StepReplay : public ReplayParts {
       dx = linear_backward(L.q);
     }
     dq.reset();
-    ws_.top(T, D, d_.kvr);
-    ws_.top(T, D, d_.dr);
+    ws_.top_nn(T, D, d_.kvr);
+    ws_.top_nn(T, D, d_.dr);
     if (L.kv_a.r) {
       const int64_t r = L.kv_a.r;
       Buf g = act(T * r);
-      ws_.top(T, r, d_.kvr);
-      ws_.top(T, r, d_.dr);
+      ws_.top_nn(T, r, d_.kvr);
+      ws_.top_nn(T, r, d_.dr);
       {
         Buf d_xd = d_.dropout ? act(T * D) : Buf();
-        ws_.top(T, D, r);
+        ws_.top_nn(T, D, r);
       }
       Buf xs = lora_project(L.kv_a);
       ws_.top_tn(d_.kvr, r, T);
@@ -539,6 +544,10 @@ void Workspace::on_any_thread(ScratchFloats s) {
 
 void Workspace::serial(int64_t M, int64_t N, int64_t K, GemmLayout layout) {
   on_any_thread(gemm_scratch_floats(layout, M, N, K, /*serial=*/true));
+}
+
+void Workspace::serial_up_to(int64_t m, int64_t N, int64_t K, GemmLayout layout) {
+  for (int64_t r = 1; r <= m; ++r) serial(r, N, K, layout);
 }
 
 // An expert's calls have any number of rows up to m, and a smaller call may run a kernel with a

@@ -47,15 +47,21 @@ class Ledger {
 // kernel reports what a call asks for on the current SIMD target (see memory_replay.cpp).
 class Workspace {
  public:
-  // A gemm_nt or gemm_nn called outside parallel loops (the two ask the same of the scratch,
-  // except gemm_nt's calls of a few rows, which pack nothing: top_nt); top_tn: a gemm_tn, which
-  // may pack A once for all threads.
-  void top(int64_t M, int64_t N, int64_t K, GemmLayout layout = GemmLayout::NN);
+  // A gemm_* called outside parallel loops. The layouts ask differently of the scratch: gemm_nt
+  // packs nothing for a few rows and runs transposed for a few hundred rows against large
+  // weights; gemm_tn may pack A once for all threads.
+  void top(int64_t M, int64_t N, int64_t K, GemmLayout layout);
   void top_nt(int64_t M, int64_t N, int64_t K) { top(M, N, K, GemmLayout::NT); }
+  void top_nn(int64_t M, int64_t N, int64_t K) { top(M, N, K, GemmLayout::NN); }
   void top_tn(int64_t M, int64_t N, int64_t K) { top(M, N, K, GemmLayout::TN); }
   // A gemm_*_serial inside a parallel loop: any thread.
-  void serial(int64_t M, int64_t N, int64_t K, GemmLayout layout = GemmLayout::NN);
+  void serial(int64_t M, int64_t N, int64_t K, GemmLayout layout);
   void serial_nt(int64_t M, int64_t N, int64_t K) { serial(M, N, K, GemmLayout::NT); }
+  void serial_nn(int64_t M, int64_t N, int64_t K) { serial(M, N, K, GemmLayout::NN); }
+  void serial_tn(int64_t M, int64_t N, int64_t K) { serial(M, N, K, GemmLayout::TN); }
+  // Serial calls of any number of rows up to m (an expert's share of the tokens): a call of
+  // fewer rows may ask more (gemm_nt below its transposed range packs the weights).
+  void serial_up_to(int64_t m, int64_t N, int64_t K, GemmLayout layout);
   // mxfp4_gemm_nt / _nn calls of up to m rows (inside parallel loops).
   void mxfp4_nt(int64_t m);
   void mxfp4_nn(int64_t m);

@@ -202,7 +202,7 @@ class V4StepReplay : public ReplayParts {
   // project_backward(): dX += G·fn, and fn's gradient when it trains.
   void hc_project_backward(int64_t mixes) {
     const int64_t N = v_.n * d_.D;
-    ws_.top(d_.T, N, mixes);
+    ws_.top_nn(d_.T, N, mixes);
     if (d_.base_grads) ws_.top_tn(mixes, N, d_.T);
   }
 
@@ -212,7 +212,7 @@ class V4StepReplay : public ReplayParts {
     hc_project(M);
     s.coef = act(T * M);
     Buf u = act(T * d_.D);
-    ws_.serial(1, d_.D, v_.n);
+    ws_.serial_nn(1, d_.D, v_.n);
     s.x = X;
     s.m = m;
     s.rstd = r;
@@ -222,8 +222,8 @@ class V4StepReplay : public ReplayParts {
   Buf hc_post(const Buf& out, HcSaved& s) {
     const int64_t n = v_.n, D = d_.D;
     Buf next = act(d_.T * n * D);
-    ws_.serial(n, D, n);
-    ws_.serial(n, D, 1);
+    ws_.serial_tn(n, D, n);
+    ws_.serial_tn(n, D, 1);
     s.coef.reset();
     s.out = out;
     return next;
@@ -235,10 +235,10 @@ class V4StepReplay : public ReplayParts {
     s.d_x = act(T * n * D);
     s.d_coef = act(T * M);
     Buf coefs = thread_slabs(4 * M);
-    ws_.serial(1, D, n);
+    ws_.serial_nn(1, D, n);
     ws_.serial_nt(n, 1, D);
     ws_.serial_nt(n, n, D);
-    ws_.serial(n, D, n);
+    ws_.serial_nn(n, D, n);
     s.out.reset();
     return d_out;
   }
@@ -253,7 +253,7 @@ class V4StepReplay : public ReplayParts {
     Buf coefs = thread_slabs(4 * M);
     Buf G = act(T * M), c = act(T), dz = act(T * M);
     ws_.serial_nt(1, n, D);
-    ws_.serial(n, D, 1);
+    ws_.serial_tn(n, D, 1);
     Buf dX = std::move(s.d_x);
     hc_project_backward(M);
     s = {};
@@ -266,7 +266,7 @@ class V4StepReplay : public ReplayParts {
     hc_project(n);
     Buf h = act(T * d_.D);
     Buf pres = thread_slabs(4 * n);
-    ws_.serial(1, d_.D, n);
+    ws_.serial_nn(1, d_.D, n);
     s.x = X;
     s.m = m;
     s.rstd = r;
@@ -278,7 +278,7 @@ class V4StepReplay : public ReplayParts {
     Buf dX = act(T * n * D), G = act(T * n), c = act(T), dz = act(T * n);
     Buf pres = thread_slabs(4 * 2 * n);
     ws_.serial_nt(1, n, D);
-    ws_.serial(n, D, 1);
+    ws_.serial_tn(n, D, 1);
     hc_project_backward(n);
     s = {};
     return dX;
@@ -293,7 +293,7 @@ class V4StepReplay : public ReplayParts {
     const int64_t m = rows == S ? d_.B * S : rows;
     ws_.top_nt(m, features, d_.D);
     if (!backward) return;
-    ws_.top(m, d_.D, features);
+    ws_.top_nn(m, d_.D, features);
     if (d_.base_grads) ws_.top_tn(features, d_.D, m);
   }
 
@@ -379,14 +379,14 @@ class V4StepReplay : public ReplayParts {
       if (ratio == 4) nc = std::min(nc, rows * v_.index_topk);
       ws_.serial_nt(rows * H, nw, hd);
       ws_.serial_nt(rows * H, nc, hd);
-      ws_.serial(rows * H, hd, nw);
-      ws_.serial(rows * H, hd, nc);
+      ws_.serial_nn(rows * H, hd, nw);
+      ws_.serial_nn(rows * H, hd, nc);
     }
     if (!backward) return;
     for (const int64_t keys : {std::min<int64_t>(32, S), std::min<int64_t>(32, W)})
       for (int64_t rows = 1; rows <= M; ++rows) {
         ws_.serial_nt(rows * H, keys, hd);
-        ws_.serial(keys, hd, rows * H);
+        ws_.serial_tn(keys, hd, rows * H);
       }
   }
 
@@ -443,7 +443,7 @@ class V4StepReplay : public ReplayParts {
     Buf dz = linear_backward(L.wo_b);
     s.z.reset();
     Buf dO = act(T * HD);
-    ws_.top(T, gi, ol);
+    ws_.top_nn(T, gi, ol);
     Buf kv = act(T * hd);  // kv_norm's output again, rotated
     // wo_a's gradient (pretraining) needs its input o again.
     const bool need_o = d_.base_grads;
