@@ -445,13 +445,12 @@ bool rows_in_place(int64_t lda) {
 // 0.543-0.546 → 0.562-0.578 of the FMA peak. Inlined by force: GCC takes a function whose only
 // effect is a prefetch for a pure one and deletes its calls, so as a called function this one
 // did nothing at all (docs/PERF.md, sessions 28 and 29).
-HWY_INLINE void prefetch_c_tile(float* c, int64_t ldc, int64_t i, int64_t j, int64_t i1,
-                                int64_t j1) {
+HWY_INLINE void prefetch_c_tile(const Problem& p, int64_t i, int64_t j, int64_t i1, int64_t j1) {
   const int64_t rows = std::min<int64_t>(kMr, i1 - i);
   for (int64_t r = 0; r < rows; ++r)
 #pragma GCC unroll 4
     for (int64_t v = 0; v < kNr; v += kLineFloats)
-      if (j + v < j1) __builtin_prefetch(c + (i + r) * ldc + j + v, /*rw=*/1);
+      if (j + v < j1) __builtin_prefetch(p.C + (i + r) * p.ldc + j + v, /*rw=*/1);
 }
 
 // A transposed problem's C block (rows [i0, i1) × columns [j0, j1), at `block` with row stride
@@ -533,8 +532,9 @@ void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t
           const bool slice_row_ends = j + kNr >= je;  // the next call starts the next row
           const int64_t next_i = slice_row_ends ? i + kMr : i;
           const int64_t next_j = slice_row_ends ? js : j + kNr;
-          if (p.c_transposed && last) prefetch_c_tile_transposed(p, next_i, next_j, i1, je);
-          else prefetch_c_tile(c0, ldc, next_i - i0, next_j - j0, i1 - i0, je - j0);
+          // A transposed problem's tiles live in cbuf, in L1 or L2, until their last K block.
+          if (!p.c_transposed) prefetch_c_tile(p, next_i, next_j, i1, je);
+          else if (last) prefetch_c_tile_transposed(p, next_i, next_j, i1, je);
           float* const tile = c0 + (i - i0) * ldc + (j - j0);
           kMicroKernels[static_cast<int>(from)][cols == kNr][rows](ap, b.panel(kb, kc, j), kc, tile,
                                                                    ldc, load_c, cols, p.lda);
@@ -685,8 +685,6 @@ void run_sliced(const Problem& p, int threads, int64_t max_packed_b) {
 // transposed in registers (as pack_b does), and each of its k's feeds one FMA per row of x into
 // accumulators whose lanes are the columns j — the same chain per C(i, j), in the same k order.
 constexpr int64_t kSkinnyRows = 4;
-// Below a panel's width of rows, a transposed product's packed A would be mostly padding.
-constexpr int64_t kTransposedMinRows = kNr;
 
 template <int M>
 void skinny_columns(const Problem& p, int64_t j0) {
@@ -742,6 +740,8 @@ void run_skinny(const Problem& p, int threads) {
 //   AVX2:    64 rows 1.23-1.25x, 128 rows 1.08-1.16x, 192 rows level.
 // Single products of 384-1000 rows ran level or slower, and 0.95x where the weights fit the L2.
 // Each C(i, j) is the same chain, since fma(a, b, c) = fma(b, a, c) bit for bit.
+// Below a panel's width of rows, a transposed product's packed A would be mostly padding.
+constexpr int64_t kTransposedMinRows = kNr;
 constexpr int64_t kTransposedMaxRows = 256;
 
 bool transposed_pays(Layout layout, int64_t M, int64_t N, int64_t K, int64_t max_packed_b) {
