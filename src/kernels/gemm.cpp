@@ -264,26 +264,35 @@ enum class AFrom { Panel, KMajorPanel, InPlace };
 // How far ahead in packed B the AVX-512 micro-kernel prefetches, in rows of kNr floats.
 constexpr int64_t kBAheadRows = 16;
 
+// How many of a B panel's kNr columns a micro-kernel call computes: all of them; `cols` of them
+// with masked loads and stores; or at most kN of them with one vector per row, so that a last
+// panel of a few columns (a transposed product's last tokens, a LoRA rank of 16) costs half the
+// multiply-adds: the experts' forward with 200 and 208 tokens each (remainders of 8 and 16)
+// went from 225-238 to 235-254 GFLOP/s on AVX-512 (docs/PERF.md, session 32). The chains, and
+// so the bits, are the same whichever computes a column.
+enum class Width { Part, Full, Half };
+
 // C[0..MR, 0..cols) (+)= Ap · Bp over kc, for one packed A micro-panel and one packed B panel
 // (rows of kNr floats). `load_c`: continue the chains stored in C (a later K block, or
-// accumulate); else start at +0. kFull: all kNr columns; else `cols` of them, with masked loads
-// and stores.
-template <int MR, AFrom kA, bool kFull>
+// accumulate); else start at +0.
+template <int MR, AFrom kA, Width kWidth>
 HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RESTRICT bp,
                                int64_t kc, float* c, int64_t ldc, bool load_c, int64_t cols,
                                int64_t lda) {
   const D d;
   using M = hn::Mask<D>;
-  M mask[kNv];
-  for (int v = 0; v < kNv; ++v)
+  constexpr bool kFull = kWidth == Width::Full;
+  constexpr int kV = kWidth == Width::Half ? 1 : kNv;  // vectors per row
+  M mask[kV];
+  for (int v = 0; v < kV; ++v)
     mask[v] = hn::FirstN(d, static_cast<size_t>(std::clamp<int64_t>(cols - v * kN, 0, kN)));
   // Loops over the tile are fully unrolled (constant trip counts), so the accumulators live in
   // registers.
-  V acc[MR][kNv];
+  V acc[MR][kV];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-    for (int v = 0; v < kNv; ++v) {
+    for (int v = 0; v < kV; ++v) {
       const float* src = c + i * ldc + v * kN;
       if (!load_c) acc[i][v] = hn::Zero(d);
       else if constexpr (kFull) acc[i][v] = hn::LoadU(d, src);
@@ -291,7 +300,7 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
     }
   // One step of the chains: a B row against the broadcasts of a(i) = a_col[i·stride].
   auto step = [&](const float* HWY_RESTRICT b_row, const float* HWY_RESTRICT a_col, int64_t stride) {
-    V b[kNv];
+    V b[kV];
     // AVX-512: the B row kBAheadRows further on (2 KiB; past the panel's end, the start of the
     // next panel, which the next call reads) is fetched into L1 now. Each k reads two lines of
     // B, and where the B slice is not yet in L2 (its first micro-panel, or an expert's weights
@@ -302,10 +311,10 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
     // (docs/PERF.md, session 30). Inline: GCC deletes calls to a function that only prefetches.
     if constexpr (kN == 16)
 #pragma GCC unroll 4
-      for (int64_t v = 0; v < kNr; v += kLineFloats)
+      for (int64_t v = 0; v < kV * kN; v += kLineFloats)
         __builtin_prefetch(b_row + kBAheadRows * kNr + v);
 #pragma GCC unroll 4
-    for (int v = 0; v < kNv; ++v) {
+    for (int v = 0; v < kV; ++v) {
       if constexpr (kFull) b[v] = hn::Load(d, b_row + v * kN);
       else b[v] = hn::MaskedLoad(mask[v], d, b_row + v * kN);
     }
@@ -313,7 +322,7 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
     for (int i = 0; i < MR; ++i) {
       const V a = hn::Set(d, a_col[i * stride]);
 #pragma GCC unroll 4
-      for (int v = 0; v < kNv; ++v) acc[i][v] = hn::MulAdd(a, b[v], acc[i][v]);
+      for (int v = 0; v < kV; ++v) acc[i][v] = hn::MulAdd(a, b[v], acc[i][v]);
     }
   };
   if constexpr (kA == AFrom::InPlace) {
@@ -334,7 +343,7 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-    for (int v = 0; v < kNv; ++v) {
+    for (int v = 0; v < kV; ++v) {
       float* dst = c + i * ldc + v * kN;
       if constexpr (kFull) hn::StoreU(acc[i][v], d, dst);
       else hn::BlendedStore(acc[i][v], mask[v], d, dst);
@@ -348,18 +357,19 @@ constexpr auto pack_a_table(std::integer_sequence<int, I...>) {
 }
 using MicroKernelFn = void (*)(const float*, const float*, int64_t, float*, int64_t, bool, int64_t,
                                int64_t);
-template <AFrom kA, bool kFull, int... I>
+template <AFrom kA, Width kWidth, int... I>
 constexpr auto micro_kernel_table(std::integer_sequence<int, I...>) {
-  return std::array<MicroKernelFn, sizeof...(I)>{&micro_kernel<I + 1, kA, kFull>...};
+  return std::array<MicroKernelFn, sizeof...(I)>{&micro_kernel<I + 1, kA, kWidth>...};
 }
 constexpr auto kPackA = pack_a_table(std::make_integer_sequence<int, kMr>{});
 template <AFrom kA>
-constexpr std::array<std::array<MicroKernelFn, kMr>, 2> kernels_for() {
-  return {micro_kernel_table<kA, false>(std::make_integer_sequence<int, kMr>{}),
-          micro_kernel_table<kA, true>(std::make_integer_sequence<int, kMr>{})};
+constexpr std::array<std::array<MicroKernelFn, kMr>, 3> kernels_for() {
+  return {micro_kernel_table<kA, Width::Part>(std::make_integer_sequence<int, kMr>{}),
+          micro_kernel_table<kA, Width::Full>(std::make_integer_sequence<int, kMr>{}),
+          micro_kernel_table<kA, Width::Half>(std::make_integer_sequence<int, kMr>{})};
 }
-// [AFrom][full panel][rows - 1]
-const std::array<std::array<std::array<MicroKernelFn, kMr>, 2>, 3> kMicroKernels = {
+// [AFrom][Width][rows - 1]
+const std::array<std::array<std::array<MicroKernelFn, kMr>, 3>, 3> kMicroKernels = {
     kernels_for<AFrom::Panel>(), kernels_for<AFrom::KMajorPanel>(), kernels_for<AFrom::InPlace>()};
 
 // Floats per packed A micro-panel.
@@ -536,8 +546,9 @@ void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t
           if (!p.c_transposed) prefetch_c_tile(p, next_i, next_j, i1, je);
           else if (last) prefetch_c_tile_transposed(p, next_i, next_j, i1, je);
           float* const tile = c0 + (i - i0) * ldc + (j - j0);
-          kMicroKernels[static_cast<int>(from)][cols == kNr][rows](ap, b.panel(kb, kc, j), kc, tile,
-                                                                   ldc, load_c, cols, p.lda);
+          const Width width = cols == kNr ? Width::Full : cols <= kN ? Width::Half : Width::Part;
+          kMicroKernels[static_cast<int>(from)][static_cast<int>(width)][rows](
+              ap, b.panel(kb, kc, j), kc, tile, ldc, load_c, cols, p.lda);
           // A finished transposed tile goes out now, its stores draining while the next call
           // computes; at the block's end they would all wait on C's lines at once.
           if (p.c_transposed && last)
