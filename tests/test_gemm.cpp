@@ -85,8 +85,9 @@ size_t first_difference(const std::vector<float>& a, const std::vector<float>& b
 }
 
 // Shapes around every block edge of the kernels: register tiles (6/12 rows, 16/32 columns; last
-// panels of at most one vector, 8/16 columns, run a one-vector tile), row blocks of 48/96, K blocks (≤ 320 on AVX2, ≤ 512 on AVX-512, split evenly), B blocks of
-// 512/1024 columns, one-element and empty-remainder cases, and the skinny (M <= 4) nt path.
+// panels of at most one vector, 8/16 columns, run a one-vector tile), row blocks of 48/96, K
+// blocks (≤ 320 on AVX2, ≤ 512 on AVX-512, split evenly), B blocks of 512/1024 columns,
+// one-element and empty-remainder cases, and the skinny (M <= 4) nt path.
 const std::vector<std::array<int64_t, 3>> kShapes = {
     {1, 1, 1},     {1, 17, 5},    {7, 13, 5},    {12, 32, 320},  {13, 33, 321}, {6, 16, 300},
     {12, 32, 512}, {13, 33, 513},
