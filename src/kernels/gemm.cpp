@@ -509,9 +509,6 @@ HWY_INLINE void prefetch_c_tile_transposed(const Problem& p, int64_t i, int64_t 
   }
 }
 
-// Floats of a transposed problem's C block for rows and columns of at most these extents.
-int64_t c_block_floats(int64_t rows, int64_t cols) { return rows * round_up(cols, kN); }
-
 void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t kcb, int64_t i0,
                    int64_t i1, int64_t j0, int64_t j1, float* abuf, float* cbuf) {
   const bool k_major = p.layout == Layout::TN;
@@ -583,6 +580,11 @@ bool overflows_half_l2(const Blocking& b) {
   return b.k_blocks * b.block_floats * kFloatBytes > l2_cache_bytes() / 2;
 }
 int64_t row_block(const Blocking& b) { return overflows_half_l2(b) ? tall_rows() : kMcShort; }
+// Floats of a transposed problem's C block (slot 1, after the A panels): a row block by a column
+// block, rows padded to whole vectors as compute_block lays them out.
+int64_t c_block_floats(const Blocking& b, int64_t N) {
+  return row_block(b) * round_up(std::min(b.nc_max, N), kN);
+}
 
 // tn's A is packed once for all threads (PackedA, after packed B in slot 0) where it is at most a
 // quarter of max_packed_b: a weight gradient over many tokens with few output rows. A task
@@ -618,7 +620,7 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
     });
   }
   const int64_t mc = row_block(blk);
-  const int64_t c_floats = p.c_transposed ? c_block_floats(mc, std::min(nc_max, p.N)) : 0;
+  const int64_t c_floats = p.c_transposed ? c_block_floats(blk, p.N) : 0;
   // The last rows, 2·threads short blocks, end the loop (below); the rest are blocks of mc. Blocks
   // start at whole micro-panels, where a shared A's panels do.
   const int64_t head_m =
@@ -790,7 +792,7 @@ ScratchFloats scratch_floats(Layout layout, int64_t M, int64_t N, int64_t K, boo
     const Blocking b = blocking(N, k, max_packed_b);
     return ScratchFloats{
         b.k_blocks * b.block_floats + shared_a_floats(layout, M, b, several_threads, max_packed_b),
-        kAPanelsFloats + (c_transposed ? c_block_floats(row_block(b), std::min(b.nc_max, N)) : 0)};
+        kAPanelsFloats + (c_transposed ? c_block_floats(b, N) : 0)};
   };
   ScratchFloats s = slots(std::min(K, max_k));
   if (K > max_k && K % max_k != 0) {
