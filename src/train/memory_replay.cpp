@@ -342,18 +342,16 @@ class StepReplay : public ReplayParts {
     const int64_t S = d_.S;
     for (int64_t r0 = 0; r0 < S; r0 += 64) {
       const int64_t M = std::min<int64_t>(64, S - r0), N = r0 + M;
-      ws_.serial_nt(M, N, d_.dn);
-      ws_.serial_nt(M, N, d_.dr);
+      const int64_t dk = d_.dn + d_.dr;
+      ws_.serial_nt(M, N, dk);
       if (!backward) {
         ws_.serial_nn(M, d_.dv, N);
         continue;
       }
       ws_.serial_tn(N, d_.dv, M);
       ws_.serial_nt(M, N, d_.dv);
-      ws_.serial_nn(M, d_.dn, N);
-      ws_.serial_nn(M, d_.dr, N);
-      ws_.serial_tn(N, d_.dn, M);
-      ws_.serial_tn(N, d_.dr, M);
+      ws_.serial_nn(M, dk, N);
+      ws_.serial_tn(N, dk, M);
     }
   }
 
@@ -391,6 +389,7 @@ class StepReplay : public ReplayParts {
     Buf stats = act(T * H * 2);
     {
       Buf slabs = f32(MemCategory::Scratch, d_.threads * std::min<int64_t>(64, d_.S) * d_.S);
+      Buf k_cat = act(T * H * (d_.dn + d_.dr));
       attention_core_workspace(false);
     }
     s.positions = positions;
@@ -412,7 +411,8 @@ class StepReplay : public ReplayParts {
     Buf dkv = act(T * H * (d_.dn + d_.dv));
     Buf dk_pe = act(T * d_.dr);
     {
-      Buf dk_pe_heads = act(T * H * d_.dr);
+      Buf k_cat = act(T * H * (d_.dn + d_.dr));
+      Buf dk_heads = act(T * H * (d_.dn + d_.dr));
       Buf slabs = f32(MemCategory::Scratch, d_.threads * 2 * std::min<int64_t>(64, d_.S) * d_.S);
       attention_core_workspace(true);
     }
