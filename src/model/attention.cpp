@@ -221,10 +221,10 @@ void MLAttention::attention_core(const Tensor& q, const Tensor& kv, const Tensor
     const int64_t bh = task / nblk, blk = nblk - 1 - task % nblk;
     const int64_t b = bh / H, h = bh % H;
     const int64_t r0 = blk * kBlock, M = std::min(S, r0 + kBlock) - r0;
-    const float* k_nope = kvp + b * S * ldkv + h * (dn + dv);
-    attend_rows({qp + (b * S + r0) * ldq + h * qk_dim(), k_nope, kpe + b * S * dr, ldq, ldkv, dn,
-                 dr, S, scale, kcp + bh * S * (dn + dr)},
-                k_nope + dn, ldkv, dv, M, r0, slabs.mine(), op + (b * S + r0) * ldo + h * dv, ldo,
+    const float* v = kvp + b * S * ldkv + h * (dn + dv) + dn;
+    attend_rows({qp + (b * S + r0) * ldq + h * qk_dim(), nullptr, nullptr, ldq, ldkv, dn, dr, S,
+                 scale, kcp + bh * S * (dn + dr)},
+                v, ldkv, dv, M, r0, slabs.mine(), op + (b * S + r0) * ldo + h * dv, ldo,
                 st ? st + 2 * (bh * S + r0) : nullptr);
   });
 }
@@ -443,7 +443,8 @@ Tensor MLAttention::backward(const Tensor& dy, const Tensor& x_in) {
   Tensor c_kv_normed = kv_a_layernorm.recompute_output();
   Tensor kv = kv_b_proj.forward(c_kv_normed, Pass::Eval);
   Tensor dq = activation({T, ldq});  // every element written once per block row
-  // dK and dV gather contributions from every later query block: accumulated from zero.
+  // dV gathers contributions from every later query block: accumulated from zero. (dK does too,
+  // per head in dk_heads below, and is copied into its columns here once complete.)
   Tensor dkv = Tensor::zeros({T, ldkv}, DType::F32, MemCategory::Activations);
   Tensor dk_pe = activation({T, dr});
   {
