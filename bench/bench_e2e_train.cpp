@@ -66,8 +66,7 @@ int main(int argc, char** argv) {
     model.backward();
     const float clip = clip_coefficient(grad_norm(model.trainable_params()), 1.0);
     model.update_router_biases(1e-3);
-    opt.step(1e-3, clip);
-    model.zero_grads();
+    opt.step(1e-3, clip, GradsAfterStep::Zeroed);  // as the trainer: no zeroing pass of its own
     return r.total();
   };
   for (int64_t i = 0; i < warmup; ++i) step();

@@ -113,6 +113,57 @@ TEST(VectorMath, SumOfSquaresIsTheSixteenLaneSum) {
   EXPECT_EQ(sum_of_squares(big, 2), 2.0 * f * f);
 }
 
+TEST(VectorMath, SumsOfSquaresOfSeveralRowsAreEachRowsOwnSum) {
+  // Rows of unequal lengths read together (tails, an empty row, one shorter than the rest):
+  // each sum has the bits of sum_of_squares on that row alone, on every target.
+  Rng rng(10);
+  const std::vector<int64_t> lengths = {100003, 17, 0, 64, 1, 4099, 16, 33, 15, 70000, 2, 31};
+  std::vector<Tensor> rows;
+  for (int64_t n : lengths) rows.push_back(random_tensor({std::max<int64_t>(n, 1)}, rng, 3.0f));
+  auto run = [&] {
+    std::vector<float> out;
+    for (size_t g = 0; g < lengths.size(); g += kSquareRows) {
+      const float* at[kSquareRows];
+      int64_t n[kSquareRows];
+      double sums[kSquareRows];
+      for (int r = 0; r < kSquareRows; ++r) at[r] = rows[g + r].f32(), n[r] = lengths[g + r];
+      sums_of_squares(at, n, sums);
+      for (int r = 0; r < kSquareRows; ++r) {
+        EXPECT_EQ(sums[r], sum_of_squares(at[r], n[r])) << "row " << g + r << ", n = " << n[r];
+        float halves[2];
+        std::memcpy(halves, &sums[r], sizeof(double));
+        out.insert(out.end(), halves, halves + 2);
+      }
+    }
+    return out;
+  };
+  static_assert(12 % kSquareRows == 0, "whole groups of the 12 rows above");
+  expect_same_bits_on_every_target(run);
+}
+
+TEST(VectorMath, AdamWRowZeroesTheGradientItReadsAndUpdatesAlike) {
+  Rng rng(11);
+  const int64_t n = 37;  // two vectors and a tail on AVX-512, four and a tail on AVX2
+  const Tensor g = random_tensor({n}, rng, 1.0f), w0 = random_tensor({n}, rng, 1.0f);
+  AdamWRowParams p{0.5f, 0.999f, 0.9f, 0.95f, 0.1f, 0.05f, 1e-3f, 0.7f, 1e-8f};
+  std::vector<float> w_kept(w0.f32(), w0.f32() + n), m_kept(n, 0.1f), v_kept(n, 0.2f);
+  std::vector<float> g_kept(g.f32(), g.f32() + n);
+  adamw_row(w_kept.data(), g_kept.data(), m_kept.data(), v_kept.data(), n, p);
+  std::vector<float> w_zeroed(w0.f32(), w0.f32() + n), m_zeroed(n, 0.1f), v_zeroed(n, 0.2f);
+  std::vector<float> g_zeroed(g.f32(), g.f32() + n);
+  g_zeroed.push_back(7.0f);  // past the row: left alone
+  p.zero_grad = true;
+  adamw_row(w_zeroed.data(), g_zeroed.data(), m_zeroed.data(), v_zeroed.data(), n, p);
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(g_kept[static_cast<size_t>(i)], g.f32()[i]) << i;
+    EXPECT_EQ(g_zeroed[static_cast<size_t>(i)], 0.0f) << i;
+    EXPECT_EQ(w_zeroed[static_cast<size_t>(i)], w_kept[static_cast<size_t>(i)]) << i;
+    EXPECT_EQ(m_zeroed[static_cast<size_t>(i)], m_kept[static_cast<size_t>(i)]) << i;
+    EXPECT_EQ(v_zeroed[static_cast<size_t>(i)], v_kept[static_cast<size_t>(i)]) << i;
+  }
+  EXPECT_EQ(g_zeroed[static_cast<size_t>(n)], 7.0f);
+}
+
 TEST(VectorMath, DotProductIsTheSixteenLaneSum) {
   Rng rng(10);
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{256}, int64_t{100003}}) {

@@ -188,20 +188,24 @@ void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, in
             int64_t jp1, float* out) {
   const D d;
   if (p.layout != Layout::NT) {
-    // B's rows are k: copy kNr floats of each row (fewer at the right edge, zero-filled).
-    for (int64_t jp = jp0; jp < jp1; ++jp) {
-      const int64_t j0 = jc + jp * kNr, w = std::min(kNr, jc + nc - j0);
-      float* dst = out + jp * kc * kNr;
-      const float* src = p.B + pc * p.ldb + j0;
-      for (int64_t k = 0; k < kc; ++k, src += p.ldb, dst += kNr)
+    // B's rows are k: copy kNr floats of each row into each panel (fewer at the right edge,
+    // zero-filled). k outer: each row's span of the panels is read front to back, one stream
+    // of whole lines, where a panel at a time read 2 lines per row down a strided column.
+    const int64_t j_end = jc + nc;
+    const float* src = p.B + pc * p.ldb + jc;
+    for (int64_t k = 0; k < kc; ++k, src += p.ldb)
+      for (int64_t jp = jp0; jp < jp1; ++jp) {
+        const int64_t w = std::min(kNr, j_end - (jc + jp * kNr));
+        float* dst = out + (jp * kc + k) * kNr;
         for (int64_t v = 0; v < kNv; ++v) {
           const int64_t n = std::clamp<int64_t>(w - v * kN, 0, kN);
-          const V x = n == kN ? hn::LoadU(d, src + v * kN)
+          const float* at = src + jp * kNr + v * kN;
+          const V x = n == kN ? hn::LoadU(d, at)
                       : n == 0 ? hn::Zero(d)
-                               : hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(n)), d, src + v * kN);
+                               : hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(n)), d, at);
           hn::Store(x, d, dst + v * kN);
         }
-    }
+      }
     return;
   }
   // nt: B's rows are j. Squares of kN columns × kN k's are transposed in registers; columns past

@@ -245,6 +245,50 @@ HWY_INLINE double dot16(const float* a, const float* b, int64_t n) {
 }
 
 double SumOfSquaresRow(const float* x, int64_t n) { return dot16(x, x, n); }
+
+// sum_of_squares of kSquareRows rows at once, each with dot16's operations in dot16's order:
+// the rows are read interleaved, several streams per core, where one row at a time is one
+// stream, which keeps too few lines in flight to read more than about half the DRAM bandwidth
+// (docs/PERF.md, session 34). On 256-bit vectors a row's 16 lanes take 4 accumulators, so the
+// rows go 2 at a time there, to stay within 16 registers.
+void SumsOfSquaresRows(const float* const* x, const int64_t* n, double* out) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  using VD = hn::Vec<decltype(dd)>;
+  constexpr int64_t kLanes = static_cast<int64_t>(hn::MaxLanes(hn::ScalableTag<double>()));
+  static_assert(16 % kLanes == 0, "16 virtual lanes must be whole vectors");
+  constexpr int64_t kParts = 16 / kLanes;
+  constexpr int kTogether = kParts <= 2 ? 4 : 2;
+  static_assert(kSquareRows % kTogether == 0, "rows go in whole groups");
+  auto add = [&](VD& acc, const float* at) {
+    const VD v = hn::PromoteTo(dd, hn::LoadU(df, at));
+    acc = hn::Add(acc, hn::Mul(v, v));
+  };
+  for (int g = 0; g < kSquareRows; g += kTogether) {
+    VD acc[kTogether][kParts];
+    int64_t common = n[g];
+    for (int r = 0; r < kTogether; ++r) {
+      common = std::min(common, n[g + r]);
+      for (int64_t q = 0; q < kParts; ++q) acc[r][q] = hn::Zero(dd);
+    }
+    int64_t i = 0;
+    for (; i + 16 <= common; i += 16)
+#pragma GCC unroll 4
+      for (int r = 0; r < kTogether; ++r)
+#pragma GCC unroll 4
+        for (int64_t q = 0; q < kParts; ++q) add(acc[r][q], x[g + r] + i + q * kLanes);
+    for (int r = 0; r < kTogether; ++r) {
+      const float* row = x[g + r];
+      int64_t j = i;
+      for (; j + 16 <= n[g + r]; j += 16)
+        for (int64_t q = 0; q < kParts; ++q) add(acc[r][q], row + j + q * kLanes);
+      alignas(64) double lanes[16];
+      for (int64_t q = 0; q < kParts; ++q) hn::Store(acc[r][q], dd, lanes + q * kLanes);
+      for (int64_t k = j; k < n[g + r]; ++k) lanes[k - j] += static_cast<double>(row[k]) * row[k];
+      out[g + r] = fold16(lanes);
+    }
+  }
+}
 double DotProductRow(const float* a, const float* b, int64_t n) { return dot16(a, b, n); }
 
 double SoftmaxBackwardRow(float* p, const float* dp, int64_t n, float scale) {
@@ -286,7 +330,9 @@ void ScaledProductColumnSums(const float* x, const float* dy, const float* rstd,
   }
 }
 
-void AdamWRow(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
+template <bool kZeroGrad>
+HWY_INLINE void AdamWRowImpl(float* w, float* g, float* m, float* v, int64_t n,
+                             const AdamWRowParams& p) {
   const D d;
   const V scale = hn::Set(d, p.grad_scale), decay = hn::Set(d, p.decay);
   const V b1 = hn::Set(d, p.beta1), b2 = hn::Set(d, p.beta2);
@@ -294,6 +340,7 @@ void AdamWRow(float* w, const float* g, float* m, float* v, int64_t n, const Ada
   const V step = hn::Set(d, p.step_size), bc2 = hn::Set(d, p.bc2_sqrt), eps = hn::Set(d, p.eps);
   for_lanes(n, [&](int64_t i, hn::Mask<D> k, bool tail) {
     const V gv = hn::Mul(load(g + i, k, tail), scale);
+    if constexpr (kZeroGrad) store(hn::Zero(d), g + i, k, tail);
     const V mv = hn::Add(hn::Mul(load(m + i, k, tail), b1), hn::Mul(gv, one_b1));
     const V vv = hn::Add(hn::Mul(load(v + i, k, tail), b2), hn::Mul(hn::Mul(gv, gv), one_b2));
     const V denom = hn::Add(hn::Div(hn::Sqrt(vv), bc2), eps);
@@ -302,6 +349,11 @@ void AdamWRow(float* w, const float* g, float* m, float* v, int64_t n, const Ada
     store(vv, v + i, k, tail);
     store(hn::Sub(wv, hn::Mul(step, hn::Div(mv, denom))), w + i, k, tail);
   });
+}
+
+void AdamWRow(float* w, float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
+  if (p.zero_grad) AdamWRowImpl<true>(w, g, m, v, n, p);
+  else AdamWRowImpl<false>(w, g, m, v, n, p);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -321,6 +373,7 @@ HWY_EXPORT(ClampedSwigluRow);
 HWY_EXPORT(ClampedSwigluBackwardRow);
 HWY_EXPORT(AdamWRow);
 HWY_EXPORT(SumOfSquaresRow);
+HWY_EXPORT(SumsOfSquaresRows);
 HWY_EXPORT(DotProductRow);
 HWY_EXPORT(SoftmaxBackwardRow);
 HWY_EXPORT(RmsnormRow);
@@ -342,11 +395,14 @@ void rmsnorm_backward_row(const float* x, const float* w, float rstd, const floa
   MOE_DISPATCH(RmsnormBackwardRow)(x, w, rstd, dy, dx, n);
 }
 
-void adamw_row(float* w, const float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
+void adamw_row(float* w, float* g, float* m, float* v, int64_t n, const AdamWRowParams& p) {
   MOE_DISPATCH(AdamWRow)(w, g, m, v, n, p);
 }
 
 double sum_of_squares(const float* x, int64_t n) { return MOE_DISPATCH(SumOfSquaresRow)(x, n); }
+void sums_of_squares(const float* const* x, const int64_t* n, double* out) {
+  MOE_DISPATCH(SumsOfSquaresRows)(x, n, out);
+}
 double dot_product(const float* a, const float* b, int64_t n) {
   return MOE_DISPATCH(DotProductRow)(a, b, n);
 }

@@ -17,7 +17,7 @@ AdamW::AdamW(ParamList params, const AdamWConfig& cfg) : params_(std::move(param
   }
 }
 
-void AdamW::step(double lr, float grad_scale) {
+void AdamW::step(double lr, float grad_scale, GradsAfterStep after) {
   ++step_;
   AdamWRowParams row;
   row.grad_scale = grad_scale;
@@ -28,21 +28,30 @@ void AdamW::step(double lr, float grad_scale) {
   row.step_size = static_cast<float>(lr / (1.0 - std::pow(cfg_.beta1, static_cast<double>(step_))));
   row.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(cfg_.beta2, static_cast<double>(step_))));
   row.eps = static_cast<float>(cfg_.eps);
-  constexpr int64_t kChunk = 4096;
+  row.zero_grad = after == GradsAfterStep::Zeroed;
+  const float decay = static_cast<float>(1.0 - lr * cfg_.weight_decay);
+  // One loop over every chunk of every parameter: a loop per parameter (hundreds a step) left
+  // the threads waiting at each one's end. Each value's update is its own, so the cut changes
+  // no bits.
+  struct Chunk {
+    size_t param;
+    int64_t lo, n;
+  };
+  constexpr int64_t kChunk = 8192;
+  std::vector<Chunk> chunks;
   for (size_t i = 0; i < params_.size(); ++i) {
-    Param* p = params_[i];
-    if (!p->grad.defined()) continue;
-    row.decay = p->weight_decay ? static_cast<float>(1.0 - lr * cfg_.weight_decay) : 1.0f;
-    float* w = p->w();
-    const float* g = p->g();
-    float* m = m_[i].f32();
-    float* v = v_[i].f32();
-    const int64_t n = p->value.numel();
-    parallel_for(0, (n + kChunk - 1) / kChunk, [&](int64_t c) {
-      const int64_t lo = c * kChunk;
-      adamw_row(w + lo, g + lo, m + lo, v + lo, std::min(kChunk, n - lo), row);
-    });
+    if (!params_[i]->grad.defined()) continue;
+    const int64_t n = params_[i]->value.numel();
+    for (int64_t lo = 0; lo < n; lo += kChunk) chunks.push_back({i, lo, std::min(kChunk, n - lo)});
   }
+  parallel_for_dynamic(0, static_cast<int64_t>(chunks.size()), [&](int64_t c) {
+    const Chunk& q = chunks[static_cast<size_t>(c)];
+    Param* p = params_[q.param];
+    AdamWRowParams r = row;
+    r.decay = p->weight_decay ? decay : 1.0f;
+    adamw_row(p->w() + q.lo, p->g() + q.lo, m_[q.param].f32() + q.lo, v_[q.param].f32() + q.lo,
+              q.n, r);
+  });
 }
 
 double grad_sum_squares(const ParamList& params) {
@@ -51,10 +60,19 @@ double grad_sum_squares(const ParamList& params) {
   // left the threads waiting at hundreds of loop ends a step.
   constexpr int64_t kChunk = int64_t{1} << 16;
   const std::vector<GradPiece> pieces = gradient_pieces(params, kChunk);
-  std::vector<double> partial(pieces.size(), 0.0);
-  parallel_for_dynamic(0, static_cast<int64_t>(pieces.size()), [&](int64_t c) {
-    const GradPiece& q = pieces[static_cast<size_t>(c)];
-    partial[static_cast<size_t>(c)] = sum_of_squares(q.at, q.n);
+  // Work items of kSquareRows pieces, read together (see sums_of_squares); the partial sums are
+  // each piece's own.
+  const int64_t count = static_cast<int64_t>(pieces.size());
+  std::vector<double> partial(static_cast<size_t>(count + kSquareRows), 0.0);
+  parallel_for_dynamic(0, (count + kSquareRows - 1) / kSquareRows, [&](int64_t item) {
+    const float* at[kSquareRows];
+    int64_t n[kSquareRows];
+    for (int r = 0; r < kSquareRows; ++r) {
+      const int64_t c = item * kSquareRows + r;
+      at[r] = c < count ? pieces[static_cast<size_t>(c)].at : nullptr;
+      n[r] = c < count ? pieces[static_cast<size_t>(c)].n : 0;
+    }
+    sums_of_squares(at, n, partial.data() + item * kSquareRows);
   });
   double total = 0;
   for (double s : partial) total += s;

@@ -16,12 +16,15 @@ struct AdamWConfig {
   double weight_decay = 0.1;  // applied only to params with weight_decay == true
 };
 
+enum class GradsAfterStep { Kept, Zeroed };
+
 class AdamW {
  public:
   AdamW(ParamList params, const AdamWConfig& cfg);
   // One update at learning rate `lr`; params without a gradient are skipped. Gradients are read
-  // as g * grad_scale, which applies global-norm clipping without a pass of its own.
-  void step(double lr, float grad_scale = 1.0f);
+  // as g * grad_scale, which applies global-norm clipping without a pass of its own. Zeroed:
+  // each gradient is set to zero as it is read, so the next step needs no zeroing pass.
+  void step(double lr, float grad_scale = 1.0f, GradsAfterStep after = GradsAfterStep::Kept);
   int64_t steps() const { return step_; }
   void set_steps(int64_t s) { step_ = s; }
   const AdamWConfig& config() const { return cfg_; }

@@ -501,7 +501,8 @@ class TrainingRun {
     options.aux_grad_scale = static_cast<float>(1.0 / (w * static_cast<double>(accum)));
     StepOutcome s;
     s.lr = schedule_.at(st_.step);
-    model_->zero_grads();
+    if (!grads_zeroed_) model_->zero_grads();
+    grads_zeroed_ = false;
     // This rank's share of the step's CE, z-loss and aux loss, and whether it was asked to stop:
     // one all-reduce makes all of them the same on every rank.
     double parts[4] = {0, 0, 0, 0};
@@ -548,7 +549,9 @@ class TrainingRun {
     if (s.finite) {
       st_.nonfinite_streak = 0;
       model_->update_router_biases(cfg_.optimizer.bias_update_rate);
-      opt_.step(s.lr, clip);  // clipping folded into the update: one pass over the gradients
+      // Clipping folded into the update, and the gradients zeroed as it reads them: one pass.
+      opt_.step(s.lr, clip, GradsAfterStep::Zeroed);
+      grads_zeroed_ = true;
     } else {
       skip(s);
     }
@@ -567,6 +570,7 @@ class TrainingRun {
     ++st_.nonfinite_streak;
     ++result_.skipped;
     model_->zero_grads();
+    grads_zeroed_ = true;
     model_->update_router_biases(0.0);  // drops this step's expert counts, moves no bias
     const int64_t limit = cfg_.optimizer.max_nonfinite_steps;
     if (st_.nonfinite_streak > limit) {
@@ -748,6 +752,9 @@ class TrainingRun {
   const ExpertParallelGroups groups_;
   std::unique_ptr<CausalLM> model_;
   const ParamList trainable_;
+  // Whether every gradient is zero now (the optimizer's pass or a skipped step zeroed them; the
+  // gradients are those of trainable_, which AdamW updates), so a step need not zero them first.
+  bool grads_zeroed_ = false;
   AdamW opt_;
   TrainSampler sampler_;
   const LrSchedule schedule_;
