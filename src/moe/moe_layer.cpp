@@ -279,9 +279,10 @@ Tensor MoELayer::backward(const Tensor& dy, const Tensor& x_in, float aux_grad_s
       float* dh = dhp + r * H;
       swiglu_row(g, u, h, H, swiglu_limit_);
       dw[r] = static_cast<float>(dot_product(dh, h, H));
-      for (int64_t i = 0; i < H; ++i) dh[i] *= rw[r];
+      scale_row(dh, H, rw[r]);
       swiglu_backward_row(g, u, dh, g, u, H, swiglu_limit_);
-      for (int64_t i = 0; i < H; ++i) dh[i] = h[i] * rw[r];
+      std::memcpy(dh, h, sizeof(float) * static_cast<size_t>(H));
+      scale_row(dh, H, rw[r]);
     });
   }
   const bool weight_grads = experts_->trainable();
