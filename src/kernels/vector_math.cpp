@@ -222,26 +222,39 @@ void RmsnormBackwardRow(const float* x, const float* w, float rs, const float* d
 }
 
 // Σ double(a[i])·b[i] in 16 double lanes as sum16 (lane l adds i = l, l + 16, ... in order; each
-// product of two floats is exact in double, the lanes' sums round), then fold16's tree.
-HWY_INLINE double dot16(const float* a, const float* b, int64_t n) {
-  const hn::ScalableTag<double> dd;
-  const hn::Rebind<float, decltype(dd)> df;
-  constexpr int64_t kLanes = static_cast<int64_t>(hn::MaxLanes(hn::ScalableTag<double>()));
-  static_assert(16 % kLanes == 0, "16 virtual lanes must be whole vectors");
-  constexpr int64_t kParts = 16 / kLanes;
-  hn::Vec<decltype(dd)> acc[kParts];
-  for (int64_t q = 0; q < kParts; ++q) acc[q] = hn::Zero(dd);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int64_t q = 0; q < kParts; ++q) {
-      const auto va = hn::PromoteTo(dd, hn::LoadU(df, a + i + q * kLanes));
-      const auto vb = hn::PromoteTo(dd, hn::LoadU(df, b + i + q * kLanes));
-      acc[q] = hn::Add(acc[q], hn::Mul(va, vb));
-    }
+// product of two floats is exact in double, the lanes' sums round), then fold16's tree. The 16
+// lanes are kDotParts vectors; add16 takes one group of 16 values, finish16 the last values
+// (fewer than 16) and the tree, so every caller has the same arithmetic by construction.
+using DD = hn::ScalableTag<double>;
+using VD = hn::Vec<DD>;
+constexpr int64_t kDotLanes = static_cast<int64_t>(hn::MaxLanes(DD()));
+static_assert(16 % kDotLanes == 0, "16 virtual lanes must be whole vectors");
+constexpr int64_t kDotParts = 16 / kDotLanes;
+
+HWY_INLINE void add16(VD* acc, const float* a, const float* b) {
+  const DD dd;
+  const hn::Rebind<float, DD> df;
+  for (int64_t q = 0; q < kDotParts; ++q) {
+    const VD va = hn::PromoteTo(dd, hn::LoadU(df, a + q * kDotLanes));
+    const VD vb = hn::PromoteTo(dd, hn::LoadU(df, b + q * kDotLanes));
+    acc[q] = hn::Add(acc[q], hn::Mul(va, vb));
+  }
+}
+
+// The lanes in acc plus a[k]·b[k] for k in [i, n) (n - i < 16), folded.
+HWY_INLINE double finish16(const VD* acc, const float* a, const float* b, int64_t i, int64_t n) {
   alignas(64) double lanes[16];
-  for (int64_t q = 0; q < kParts; ++q) hn::Store(acc[q], dd, lanes + q * kLanes);
+  for (int64_t q = 0; q < kDotParts; ++q) hn::Store(acc[q], DD(), lanes + q * kDotLanes);
   for (int64_t j = i; j < n; ++j) lanes[j - i] += static_cast<double>(a[j]) * b[j];
   return fold16(lanes);
+}
+
+HWY_INLINE double dot16(const float* a, const float* b, int64_t n) {
+  VD acc[kDotParts];
+  for (int64_t q = 0; q < kDotParts; ++q) acc[q] = hn::Zero(DD());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) add16(acc, a + i, b + i);
+  return finish16(acc, a, b, i, n);
 }
 
 double SumOfSquaresRow(const float* x, int64_t n) { return dot16(x, x, n); }
@@ -252,40 +265,24 @@ double SumOfSquaresRow(const float* x, int64_t n) { return dot16(x, x, n); }
 // (docs/PERF.md, session 34). On 256-bit vectors a row's 16 lanes take 4 accumulators, so the
 // rows go 2 at a time there, to stay within 16 registers.
 void SumsOfSquaresRows(const float* const* x, const int64_t* n, double* out) {
-  const hn::ScalableTag<double> dd;
-  const hn::Rebind<float, decltype(dd)> df;
-  using VD = hn::Vec<decltype(dd)>;
-  constexpr int64_t kLanes = static_cast<int64_t>(hn::MaxLanes(hn::ScalableTag<double>()));
-  static_assert(16 % kLanes == 0, "16 virtual lanes must be whole vectors");
-  constexpr int64_t kParts = 16 / kLanes;
-  constexpr int kTogether = kParts <= 2 ? 4 : 2;
+  constexpr int kTogether = kDotParts <= 2 ? 4 : 2;
   static_assert(kSquareRows % kTogether == 0, "rows go in whole groups");
-  auto add = [&](VD& acc, const float* at) {
-    const VD v = hn::PromoteTo(dd, hn::LoadU(df, at));
-    acc = hn::Add(acc, hn::Mul(v, v));
-  };
   for (int g = 0; g < kSquareRows; g += kTogether) {
-    VD acc[kTogether][kParts];
+    VD acc[kTogether][kDotParts];
     int64_t common = n[g];
     for (int r = 0; r < kTogether; ++r) {
       common = std::min(common, n[g + r]);
-      for (int64_t q = 0; q < kParts; ++q) acc[r][q] = hn::Zero(dd);
+      for (int64_t q = 0; q < kDotParts; ++q) acc[r][q] = hn::Zero(DD());
     }
     int64_t i = 0;
     for (; i + 16 <= common; i += 16)
 #pragma GCC unroll 4
-      for (int r = 0; r < kTogether; ++r)
-#pragma GCC unroll 4
-        for (int64_t q = 0; q < kParts; ++q) add(acc[r][q], x[g + r] + i + q * kLanes);
+      for (int r = 0; r < kTogether; ++r) add16(acc[r], x[g + r] + i, x[g + r] + i);
     for (int r = 0; r < kTogether; ++r) {
       const float* row = x[g + r];
       int64_t j = i;
-      for (; j + 16 <= n[g + r]; j += 16)
-        for (int64_t q = 0; q < kParts; ++q) add(acc[r][q], row + j + q * kLanes);
-      alignas(64) double lanes[16];
-      for (int64_t q = 0; q < kParts; ++q) hn::Store(acc[r][q], dd, lanes + q * kLanes);
-      for (int64_t k = j; k < n[g + r]; ++k) lanes[k - j] += static_cast<double>(row[k]) * row[k];
-      out[g + r] = fold16(lanes);
+      for (; j + 16 <= n[g + r]; j += 16) add16(acc[r], row + j, row + j);
+      out[g + r] = finish16(acc[r], row, row, j, n[g + r]);
     }
   }
 }
