@@ -7,6 +7,8 @@
 #   BUILD_DIR=... CTEST_ARGS="-R test_io" bash scripts/test_sanitizers.sh
 #
 # -O1: instrumented code at -O2 builds twice as slowly for little gain in what the checks see.
+# The tests' and the command line's own code is built at -O0 (CMakeLists.txt): UBSan at -O1 made
+# those files two to three times slower to compile, and the work they drive runs in the engine.
 # The SIMD kernels are the exception (-O2, without use-after-scope and UBSan's alignment, null
 # and pointer-overflow checks; CMakeLists.txt says why): at -O1
 # their register tiles lived on the stack and the suite's tests took 1,705 s on a Zen 3 with
