@@ -12,7 +12,8 @@
 # The SIMD kernels are the exception (-O2, without use-after-scope and UBSan's alignment, null
 # and pointer-overflow checks; CMakeLists.txt says why): at -O1
 # their register tiles lived on the stack and the suite's tests took 1,705 s on a Zen 3 with
-# 2 cores; 677 s with the kernels built so and fast malloc stacks outside the MPI tests.
+# 2 cores; 677 s with the kernels built so and fast malloc stacks outside the MPI tests, and
+# 394 s once those had fast stacks too (tests/sanitizers/keep_plugins_loaded.cpp).
 # The tests run side by side, as many as there are cores (ctest -j; the MPI and CLI tests claim
 # their ranks' cores through PROCESSORS): most of an instrumented test is single-threaded work,
 # and on 2 cores the step's tests took 1,179-1,380 s instead of 1,510 s one at a time (more
