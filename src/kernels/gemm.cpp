@@ -217,8 +217,16 @@ void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, in
     for (int64_t v = 0; v < kNv; ++v) {
       const int64_t j0 = jc + jp * kNr + v * kN;
       const int64_t rows = std::clamp<int64_t>(jc + nc - j0, 0, kN);
+      const int64_t next_rows = std::clamp<int64_t>(jc + nc - j0 - kN, 0, kN);
       for (int64_t k0 = 0; k0 < kc; k0 += kN) {
         const int64_t kn = std::min(kN, kc - k0);
+        // The next kN rows of B, a line each as these pass the same k's (as skinny_columns
+        // does): an expert's weights come from DRAM, and this loop's rows in lockstep waited on
+        // each line. The experts' forward at 231 × 256 × 320, cold, on two threads: 1.08-1.13x,
+        // pack_b 12% of the samples → 8% (docs/PERF.md, session 38).
+        if (k0 % kLineFloats == 0)
+          for (int64_t q = 0; q < next_rows; ++q)
+            __builtin_prefetch(p.B + (j0 + kN + q) * p.ldb + pc + k0);
         V r[kN];
 #pragma GCC unroll 16
         for (int q = 0; q < kN; ++q) {
@@ -513,6 +521,24 @@ HWY_INLINE void prefetch_c_tile_transposed(const Problem& p, int64_t i, int64_t 
   }
 }
 
+// Part `part` of `parts` of the lines that rows [i, i + rows) of an in-place A span over k in
+// [k0, k0 + kc), fetched while the current micro-panel's calls run. The kernel reads those rows
+// straight from wherever they are, and a micro-panel's first call otherwise waits on its 6 rows
+// from DRAM one line at a time per row (a fresh expert's tokens, or its weights in a transposed
+// product): the experts' forward of the `small` model (231 × 256 × 320, cold, on two threads)
+// 1.08x, 512 × 256 × 320 1.05x (docs/PERF.md, session 38).
+HWY_INLINE void prefetch_a_rows(const Problem& p, int64_t i, int64_t rows, int64_t k0, int64_t kc,
+                                int64_t part, int64_t parts) {
+  // A row's span starts anywhere in a line, so it touches at most one line more than kc floats.
+  const int64_t row_lines = ceil_div(kc, kLineFloats) + 1, lines = rows * row_lines;
+  const int64_t per = ceil_div(lines, parts);
+  for (int64_t l = part * per; l < std::min(lines, (part + 1) * per); ++l) {
+    const auto line = reinterpret_cast<uintptr_t>(p.A + (i + l / row_lines) * p.lda + k0) / 64 +
+                      static_cast<uintptr_t>(l % row_lines);
+    __builtin_prefetch(reinterpret_cast<const void*>(line * 64));
+  }
+}
+
 void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t kcb, int64_t i0,
                    int64_t i1, int64_t j0, int64_t j1, float* abuf, float* cbuf) {
   const bool k_major = p.layout == Layout::TN;
@@ -546,6 +572,17 @@ void compute_block(const Problem& p, const PackedB& b, const PackedA& a, int64_t
           // A transposed problem's tiles live in cbuf, in L1 or L2, until their last K block.
           if (!p.c_transposed) prefetch_c_tile(p, next_i, next_j, i1, je);
           else if (last) prefetch_c_tile_transposed(p, next_i, next_j, i1, je);
+          // The next micro-panel's rows of A, over the first slice's calls: the rows below in
+          // this K block, or after the last of them the block's first rows in the next K block.
+          if (in_place && js == j0) {
+            const int64_t part = (j - js) / kNr, parts = ceil_div(je - js, kNr);
+            if (i + kMr < i1)
+              prefetch_a_rows(p, i + kMr, std::min<int64_t>(kMr, i1 - i - kMr), pc, kc, part,
+                              parts);
+            else if (!last)
+              prefetch_a_rows(p, i0, std::min<int64_t>(kMr, i1 - i0), pc + kc,
+                              std::min(kcb, p.K - pc - kc), part, parts);
+          }
           float* const tile = c0 + (i - i0) * ldc + (j - j0);
           const Width width = cols == kNr ? Width::Full : cols <= kN ? Width::Half : Width::Part;
           kMicroKernels[static_cast<int>(from)][static_cast<int>(width)][rows](
@@ -756,6 +793,11 @@ void run_skinny(const Problem& p, int threads) {
 //   AVX-512: 64 rows 1.25x, 128 rows 1.09-1.11x, 192 rows 1.02x, 256 rows 1.01-1.06x;
 //   AVX2:    64 rows 1.23-1.25x, 128 rows 1.08-1.16x, 192 rows level.
 // Single products of 384-1000 rows ran level or slower, and 0.95x where the weights fit the L2.
+// A contraction of one K block or less loses transposed, as the `small` model's experts do
+// (256 × 320 weights): on AVX2, cold, two threads, with the A rows prefetched either way,
+// transposed against not: 231 × 256 × 320 0.75x, 231 × 320 × 256 0.76x, 128 × 704 × 320 0.94x,
+// against 1.03-1.06x for K = 704 and 1024 (docs/PERF.md, session 38). Each output then costs
+// its transposition out of cbuf for only kKc multiply-adds or fewer.
 // Each C(i, j) is the same chain, since fma(a, b, c) = fma(b, a, c) bit for bit.
 // Below a panel's width of rows, a transposed product's packed A would be mostly padding.
 constexpr int64_t kTransposedMinRows = kNr;
@@ -763,6 +805,7 @@ constexpr int64_t kTransposedMaxRows = 256;
 
 bool transposed_pays(Layout layout, int64_t M, int64_t N, int64_t K, int64_t max_packed_b) {
   return layout == Layout::NT && M >= kTransposedMinRows && M <= kTransposedMaxRows && M < N &&
+         K > kKc &&
          overflows_half_l2(blocking(N, std::min(K, slice_k(max_packed_b)), max_packed_b));
 }
 
