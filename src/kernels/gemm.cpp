@@ -183,17 +183,19 @@ HWY_INLINE void with_transposed_square(const float* src, int64_t ld, int64_t row
 
 // Packs B(k, j) for k in [pc, pc + kc), j in [jc, jc + nc) into panels of kNr columns,
 // out[(panel·kc + k)·kNr + column in panel]; columns past nc are zero. Only panels [jp0, jp1)
-// are written, so several threads can pack one block.
+// and the block's rows [k0, k1) are written, so several threads can pack one block: nn and tn
+// in items of rows across all panels, nt in items of panels over the whole block (k0 = 0,
+// k1 = kc).
 void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, int64_t jp0,
-            int64_t jp1, float* out) {
+            int64_t jp1, int64_t k0, int64_t k1, float* out) {
   const D d;
   if (p.layout != Layout::NT) {
     // B's rows are k: copy kNr floats of each row into each panel (fewer at the right edge,
     // zero-filled). k outer: each row's span of the panels is read front to back, one stream
     // of whole lines, where a panel at a time read 2 lines per row down a strided column.
     const int64_t j_end = jc + nc;
-    const float* src = p.B + pc * p.ldb + jc;
-    for (int64_t k = 0; k < kc; ++k, src += p.ldb)
+    const float* src = p.B + (pc + k0) * p.ldb + jc;
+    for (int64_t k = k0; k < k1; ++k, src += p.ldb)
       for (int64_t jp = jp0; jp < jp1; ++jp) {
         const int64_t w = std::min(kNr, j_end - (jc + jp * kNr));
         float* dst = out + (jp * kc + k) * kNr;
@@ -208,35 +210,36 @@ void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, in
       }
     return;
   }
-  // nt: B's rows are j. Squares of kN columns × kN k's are transposed in registers; columns past
-  // nc read as zero rows, k's past kc are masked off (never read). The loads repeat
-  // with_transposed_square's general path on purpose: called through one shared helper, GCC
-  // compiled this loop otherwise and a cold B (8 rows per expert) packed about 3% slower.
+  // nt: B's rows are j. Squares of kN columns × kN k's (from k0, a multiple of kN) are
+  // transposed in registers; columns past nc read as zero rows, k's past k1 are masked off
+  // (never read). The loads repeat with_transposed_square's general path on purpose: called
+  // through one shared helper, GCC compiled this loop otherwise and a cold B (8 rows per
+  // expert) packed about 3% slower.
   for (int64_t jp = jp0; jp < jp1; ++jp) {
     float* panel = out + jp * kc * kNr;
     for (int64_t v = 0; v < kNv; ++v) {
       const int64_t j0 = jc + jp * kNr + v * kN;
       const int64_t rows = std::clamp<int64_t>(jc + nc - j0, 0, kN);
       const int64_t next_rows = std::clamp<int64_t>(jc + nc - j0 - kN, 0, kN);
-      for (int64_t k0 = 0; k0 < kc; k0 += kN) {
-        const int64_t kn = std::min(kN, kc - k0);
+      for (int64_t kq = k0; kq < k1; kq += kN) {
+        const int64_t kn = std::min(kN, k1 - kq);
         // The next kN rows of B, a line each as these pass the same k's (as skinny_columns
         // does): an expert's weights come from DRAM, and this loop's rows in lockstep waited on
         // each line. The experts' forward at 231 × 256 × 320, cold, on two threads: 1.08-1.13x,
         // pack_b 12% of the samples → 8% (docs/PERF.md, session 38).
-        if (k0 % kLineFloats == 0)
+        if (kq % kLineFloats == 0)
           for (int64_t q = 0; q < next_rows; ++q)
-            __builtin_prefetch(p.B + (j0 + kN + q) * p.ldb + pc + k0);
+            __builtin_prefetch(p.B + (j0 + kN + q) * p.ldb + pc + kq);
         V r[kN];
 #pragma GCC unroll 16
         for (int q = 0; q < kN; ++q) {
-          const float* src = p.B + (j0 + q) * p.ldb + pc + k0;
+          const float* src = p.B + (j0 + q) * p.ldb + pc + kq;
           if (q >= rows) r[q] = hn::Zero(d);
           else if (kn == kN) r[q] = hn::LoadU(d, src);
           else r[q] = hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(kn)), d, src);
         }
         transpose_square(r);
-        for (int64_t q = 0; q < kn; ++q) hn::Store(r[q], d, panel + (k0 + q) * kNr + v * kN);
+        for (int64_t q = 0; q < kn; ++q) hn::Store(r[q], d, panel + (kq + q) * kNr + v * kN);
       }
     }
   }
@@ -249,6 +252,8 @@ void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, in
 //    out[(k / kChunk)·MR·kChunk + i·kChunk + k % kChunk].
 // Either way the kernel's broadcasts walk one contiguous stream.
 constexpr int64_t kChunk = 16;
+// Rows (k's) per packing item where an operand's rows are k: tn's A, nn's and tn's B.
+constexpr int64_t kPackRows = 32;
 
 template <int MR>
 void pack_a_rows(const Problem& p, int64_t i0, int64_t pc, int64_t kc, float* out) {
@@ -650,7 +655,6 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
   const PackedA a{abuf, ceil_div(p.M, kMr), kcb * kMr};
   if (abuf) {
     // Items of kPackRows rows of A (k's), each read whole, front to back.
-    constexpr int64_t kPackRows = 32;
     const int64_t per_block = ceil_div(kcb, kPackRows);
     parallel_for(0, k_blocks * per_block, [&](int64_t item) {
       const int64_t kb = item / per_block, k0 = item % per_block * kPackRows;
@@ -671,12 +675,26 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
   for (int64_t jc = 0; jc < p.N; jc += nc_max) {
     const PackedB b{bbuf, block_floats, jc, std::min(nc_max, p.N - jc)};
     const int64_t panels = ceil_div(b.nc, kNr);
-    constexpr int64_t kPackGroup = 4;  // panels per packing item
-    const int64_t groups = ceil_div(panels, kPackGroup);
+    // Packing items: for nn and tn, kPackRows rows of a K block across all the panels, each
+    // read front to back as one stream; for nt, kPackGroup panels over a whole K block, each
+    // reading its kNr rows of B along k. Items of 4 panels over a whole block read nn's and tn's
+    // B 4 lines of each row at a time, every row again per item: by rows, tn 256 × 320 × 2048
+    // on two threads ran 1.07x faster (medians of 40 alternated calls), 1024 × 320 × 2048 1.03x,
+    // nn 2048 × 320 × 256 1.02x; on one thread an expert's tn 256 × 320 × 231 1.07x and nn
+    // 231 × 320 × 256 1.08x (docs/PERF.md, session 38).
+    constexpr int64_t kPackGroup = 4;
+    const bool by_rows = p.layout != Layout::NT;
+    const int64_t per_block = by_rows ? ceil_div(kcb, kPackRows) : ceil_div(panels, kPackGroup);
     auto pack_item = [&](int64_t item) {
-      const int64_t kb = item / groups, g = item % groups;
-      pack_b(p, kb * kcb, std::min(kcb, p.K - kb * kcb), b.jc, b.nc, g * kPackGroup,
-             std::min(panels, (g + 1) * kPackGroup), bbuf + kb * block_floats);
+      const int64_t kb = item / per_block, part = item % per_block;
+      const int64_t kc = std::min(kcb, p.K - kb * kcb);
+      float* const out = bbuf + kb * block_floats;
+      if (!by_rows)
+        pack_b(p, kb * kcb, kc, b.jc, b.nc, part * kPackGroup,
+               std::min(panels, (part + 1) * kPackGroup), 0, kc, out);
+      else if (part * kPackRows < kc)
+        pack_b(p, kb * kcb, kc, b.jc, b.nc, 0, panels, part * kPackRows,
+               std::min(kc, (part + 1) * kPackRows), out);
     };
     // Tasks are taken in order: the head's row blocks whole (or in column parts when rows alone
     // give too few tasks), then the tail's short row blocks cut in column parts of about 4
@@ -703,7 +721,7 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
                     scratch + kAPanelsFloats);
     };
     const int64_t tasks = head_tasks + tail_blocks * tail_parts;
-    const int64_t pack_items = k_blocks * groups;
+    const int64_t pack_items = k_blocks * per_block;
     if (threads > 1) {
       parallel_for(0, pack_items, pack_item);
       parallel_for_dynamic(0, tasks, task);
