@@ -70,7 +70,7 @@ struct Problem {
 };
 
 // Whether a call runs on all threads: the parallel forms, where the product is large enough to be
-// worth waking them. The call and its scratch report both ask this.
+// worth waking them.
 inline bool runs_wide(bool parallel, int64_t M, int64_t N, int64_t K) {
   return parallel && M * N * K >= kGemmParallelMinWork;
 }
@@ -632,37 +632,39 @@ int64_t c_block_floats(const Blocking& b, int64_t N) {
   return row_block(b) * round_up(std::min(b.nc_max, N), kN);
 }
 
-// tn's A is packed once for all threads (PackedA, after packed B in slot 0) where it is at most a
-// quarter of max_packed_b: a weight gradient over many tokens with few output rows. A task
-// packing its own rows reads 4-16 micro-panels' worth of each A row (a k), one row after
-// another at A's full stride, and again for each column part; where all threads pack A
-// together, each reads whole rows. M = 256, N = 320, K = 2048 (the `small` model's shared
+// tn's A is packed once for all tasks (PackedA, after packed B in slot 0), by all threads
+// together, where it is at most a quarter of max_packed_b: a weight gradient over many tokens
+// with few output rows. A task packing its own rows reads 4-16 micro-panels' worth of each A
+// row (a k), one row after another at A's full stride, and again for each column part; packed
+// once, A is read whole rows at a time. M = 256, N = 320, K = 2048 (the `small` model's shared
 // expert) on two threads: 240-249 GFLOP/s packed per task, 273-276 packed once (medians of 200
-// calls); M = 1024 level (docs/PERF.md, session 28). Floats of that copy; 0 where tasks pack
-// their own.
-int64_t shared_a_floats(Layout layout, int64_t M, const Blocking& b, bool several_threads,
-                        int64_t max_packed_b) {
+// calls); M = 1024 level (docs/PERF.md, session 28). On one thread, an expert's weight gradient
+// (256 × 320 × 231, cold): 1.10x, 320 × 256 × 231 1.27x (session 38). Floats of that copy; 0
+// where tasks pack their own.
+int64_t shared_a_floats(Layout layout, int64_t M, const Blocking& b, int64_t max_packed_b) {
   const int64_t floats = round_up(M, kMr) * b.k_blocks * b.kcb;
-  return layout == Layout::TN && several_threads && floats <= max_packed_b / 4 ? floats : 0;
+  return layout == Layout::TN && floats <= max_packed_b / 4 ? floats : 0;
 }
 
 void run(const Problem& p, int threads, int64_t max_packed_b) {
   const Blocking blk = blocking(p.N, p.K, max_packed_b);
   const auto [k_blocks, kcb, nc_max, block_floats] = blk;
-  const int64_t a_floats = shared_a_floats(p.layout, p.M, blk, threads > 1, max_packed_b);
+  const int64_t a_floats = shared_a_floats(p.layout, p.M, blk, max_packed_b);
   float* bbuf = kernel_scratch(0, k_blocks * block_floats + a_floats);
   float* const abuf = a_floats ? bbuf + k_blocks * block_floats : nullptr;
   const PackedA a{abuf, ceil_div(p.M, kMr), kcb * kMr};
   if (abuf) {
     // Items of kPackRows rows of A (k's), each read whole, front to back.
     const int64_t per_block = ceil_div(kcb, kPackRows);
-    parallel_for(0, k_blocks * per_block, [&](int64_t item) {
+    auto pack_a_item = [&](int64_t item) {
       const int64_t kb = item / per_block, k0 = item % per_block * kPackRows;
       const int64_t kc = std::min(kcb, p.K - kb * kcb);
       if (k0 < kc)
         pack_a_k_major(p, 0, p.M, kb * kcb, k0, std::min(kc, k0 + kPackRows), a.panel_floats,
                        abuf + kb * a.panels * a.panel_floats);
-    });
+    };
+    if (threads > 1) parallel_for(0, k_blocks * per_block, pack_a_item);
+    else for (int64_t item = 0; item < k_blocks * per_block; ++item) pack_a_item(item);
   }
   const int64_t mc = row_block(blk);
   const int64_t c_floats = p.c_transposed ? c_block_floats(blk, p.N) : 0;
@@ -847,7 +849,7 @@ void run_any(const Problem& p, int threads, int64_t max_packed_b) {
 
 // What run_any asks of the scratch slots: the largest slice's packed B (and shared A), and the A
 // panels of a task.
-ScratchFloats scratch_floats(Layout layout, int64_t M, int64_t N, int64_t K, bool several_threads,
+ScratchFloats scratch_floats(Layout layout, int64_t M, int64_t N, int64_t K,
                              int64_t max_packed_b) {
   const bool c_transposed = transposed_pays(layout, M, N, K, max_packed_b);
   if (c_transposed) std::swap(M, N);
@@ -856,7 +858,7 @@ ScratchFloats scratch_floats(Layout layout, int64_t M, int64_t N, int64_t K, boo
   auto slots = [&](int64_t k) {
     const Blocking b = blocking(N, k, max_packed_b);
     return ScratchFloats{
-        b.k_blocks * b.block_floats + shared_a_floats(layout, M, b, several_threads, max_packed_b),
+        b.k_blocks * b.block_floats + shared_a_floats(layout, M, b, max_packed_b),
         kAPanelsFloats + (c_transposed ? c_block_floats(b, N) : 0)};
   };
   ScratchFloats s = slots(std::min(K, max_k));
@@ -878,7 +880,7 @@ void run_any(const Problem& p, int threads, int64_t max_packed_b) {
   run_sliced(p, threads, max_packed_b);
 }
 
-ScratchFloats scratch_floats(Layout, int64_t, int64_t, int64_t, bool, int64_t) { return {}; }
+ScratchFloats scratch_floats(Layout, int64_t, int64_t, int64_t, int64_t) { return {}; }
 
 #endif
 
@@ -886,11 +888,9 @@ void Gemm(const Problem& p, int threads, bool per_thread) {
   run_any(p, threads, per_thread ? kGemmPackedBFloatsPerThread : kGemmPackedBFloatsShared);
 }
 
-// The parallel form reports A shared whenever its call may run on several threads (the
-// thread count is known only when it runs): a bound.
 ScratchFloats GemmScratch(Layout layout, int64_t M, int64_t N, int64_t K, bool per_thread) {
   if (M <= 0 || N <= 0 || K <= 0) return {};
-  return scratch_floats(layout, M, N, K, runs_wide(!per_thread, M, N, K),
+  return scratch_floats(layout, M, N, K,
                         per_thread ? kGemmPackedBFloatsPerThread : kGemmPackedBFloatsShared);
 }
 

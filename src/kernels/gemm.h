@@ -46,8 +46,8 @@ void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda
 enum class GemmLayout { NT, NN, TN };
 
 // The scratch one call of this shape asks for on the current SIMD target (gemm_nt's calls of a
-// few rows pack nothing; gemm_tn's of many threads may pack A once for all of them), `serial`
-// for the gemm_*_serial forms.
+// few rows pack nothing; gemm_tn's may pack A once for all their tasks), `serial` for the
+// gemm_*_serial forms.
 ScratchFloats gemm_scratch_floats(GemmLayout layout, int64_t M, int64_t N, int64_t K, bool serial);
 
 // Dense-layer conveniences over contiguous buffers: x [T,in], W [out,in], y [T,out].
