@@ -536,11 +536,12 @@ HWY_INLINE void prefetch_a_rows(const Problem& p, int64_t i, int64_t rows, int64
                                 int64_t part, int64_t parts) {
   // A row's span starts anywhere in a line, so it touches at most one line more than kc floats.
   const int64_t row_lines = ceil_div(kc, kLineFloats) + 1, lines = rows * row_lines;
-  const int64_t per = ceil_div(lines, parts);
-  for (int64_t l = part * per; l < std::min(lines, (part + 1) * per); ++l) {
-    const auto line = reinterpret_cast<uintptr_t>(p.A + (i + l / row_lines) * p.lda + k0) / 64 +
-                      static_cast<uintptr_t>(l % row_lines);
-    __builtin_prefetch(reinterpret_cast<const void*>(line * 64));
+  const int64_t per = ceil_div(lines, parts), begin = part * per;
+  int64_t row = begin / row_lines, at = begin % row_lines;  // one division per call
+  for (int64_t l = begin; l < std::min(lines, begin + per); ++l) {
+    const auto line = reinterpret_cast<uintptr_t>(p.A + (i + row) * p.lda + k0) / 64;
+    __builtin_prefetch(reinterpret_cast<const void*>((line + static_cast<uintptr_t>(at)) * 64));
+    if (++at == row_lines) at = 0, ++row;
   }
 }
 
