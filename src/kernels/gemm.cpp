@@ -647,6 +647,19 @@ int64_t shared_a_floats(Layout layout, int64_t M, const Blocking& b, int64_t max
   return layout == Layout::TN && floats <= max_packed_b / 4 ? floats : 0;
 }
 
+// Items [0, n) on all threads (a static or a dynamic schedule), or one after another on the
+// calling thread for a call that runs on one: that may be the main thread outside any loop,
+// where parallel_for would wake the others.
+template <class F>
+void for_items(int threads, int64_t n, bool dynamic, const F& body) {
+  if (threads <= 1)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  else if (dynamic)
+    parallel_for_dynamic(0, n, body);
+  else
+    parallel_for(0, n, body);
+}
+
 void run(const Problem& p, int threads, int64_t max_packed_b) {
   const Blocking blk = blocking(p.N, p.K, max_packed_b);
   const auto [k_blocks, kcb, nc_max, block_floats] = blk;
@@ -664,8 +677,7 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
         pack_a_k_major(p, 0, p.M, kb * kcb, k0, std::min(kc, k0 + kPackRows), a.panel_floats,
                        abuf + kb * a.panels * a.panel_floats);
     };
-    if (threads > 1) parallel_for(0, k_blocks * per_block, pack_a_item);
-    else for (int64_t item = 0; item < k_blocks * per_block; ++item) pack_a_item(item);
+    for_items(threads, k_blocks * per_block, /*dynamic=*/false, pack_a_item);
   }
   const int64_t mc = row_block(blk);
   const int64_t c_floats = p.c_transposed ? c_block_floats(blk, p.N) : 0;
@@ -724,14 +736,8 @@ void run(const Problem& p, int threads, int64_t max_packed_b) {
                     scratch + kAPanelsFloats);
     };
     const int64_t tasks = head_tasks + tail_blocks * tail_parts;
-    const int64_t pack_items = k_blocks * per_block;
-    if (threads > 1) {
-      parallel_for(0, pack_items, pack_item);
-      parallel_for_dynamic(0, tasks, task);
-    } else {
-      for (int64_t item = 0; item < pack_items; ++item) pack_item(item);
-      for (int64_t t = 0; t < tasks; ++t) task(t);
-    }
+    for_items(threads, k_blocks * per_block, /*dynamic=*/false, pack_item);
+    for_items(threads, tasks, /*dynamic=*/true, task);
   }
 }
 
@@ -801,8 +807,7 @@ void run_skinny(const Problem& p, int threads) {
     for (int64_t g = t * kGroupsPerTask; g < std::min(groups, (t + 1) * kGroupsPerTask); ++g)
       skinny_columns<M>(p, g * kN);
   };
-  if (threads > 1) parallel_for(0, tasks, task);
-  else for (int64_t t = 0; t < tasks; ++t) task(t);
+  for_items(threads, tasks, /*dynamic=*/false, task);
 }
 
 // nt with few rows of A (tokens) against many of B (weights: an expert's projection) runs
