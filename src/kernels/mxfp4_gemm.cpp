@@ -817,16 +817,20 @@ auto with_nt_kernel(int64_t m, const Kernel& k) {
     // feeds 4 FMAs per x row from registers, where the buffered tile stores the decoded rows
     // and pads m to a multiple of 3 (4 rows: 54 -> 99 GFLOP/s, 8 rows: 78 -> 95-100, one core,
     // Zen 5, cold 704 x 1024 experts; 9 rows and more stay buffered, 12-31 rows measured
-    // 0.7-0.9x fused).
+    // 0.7-0.9x fused). Each output's two accumulators take 2 chained FMAs per block, so a
+    // tile of A x rows keeps 2A chains in flight: 6 or 7 rows in one tile (12 or 14 chains,
+    // some accumulators spilled) beat 3 + 3 (6 chains, at the FMA latency) and 4 + 4 padded
+    // (1.11-1.21x and 1.08-1.09x, Zen 3, one core, 704 x 1024, alternated in one process);
+    // 8 rows in one tile spill too much (0.84-0.91x against 4 + 4).
     switch (m) {
       case 1: return k.template tile<1, 4, true>();
       case 2: return k.template tile<2, 2, true>();
-      case 3:
-      case 6: return k.template tile<3, 1, true>();
+      case 3: return k.template tile<3, 1, true>();
       case 4:
-      case 7:
       case 8: return k.template tile<4, 1, true>();
       case 5: return k.template tile<5, 1, true>();
+      case 6: return k.template tile<6, 1, true>();
+      case 7: return k.template tile<7, 1, true>();
       default:
         if (m >= kLanesFromRows) return k.lanes();
         return k.template tile<3, 3, false>();
