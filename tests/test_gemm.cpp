@@ -271,6 +271,41 @@ TEST(Gemm, LongContractionsRunInSlicesWithTheSameBits) {
   });
 }
 
+TEST(Gemm, ProducedRowsOfBAreTheSameChain) {
+  // gemm_nn_serial_rows: B's rows come from a producer (MXFP4 weights decoded as they are
+  // packed), each asked for once per packing with its absolute k. Every shape edge above, and a
+  // K beyond one slice (the rows' k then starts past 0 in each slice).
+  struct Producer {
+    const Case* c;
+    int64_t calls = 0;
+    static void row(const void* ctx, int64_t k, int64_t j0, int64_t n, float* out) {
+      auto* self = const_cast<Producer*>(static_cast<const Producer*>(ctx));
+      ASSERT_TRUE(k >= 0 && k < self->c->K && j0 >= 0 && n > 0 && j0 + n <= self->c->N &&
+                  n <= kGemmRowsMaxFloats)
+          << k << " " << j0 << " " << n;
+      std::memcpy(out, self->c->B.data() + k * self->c->ldb + j0, sizeof(float) * static_cast<size_t>(n));
+      ++self->calls;
+    }
+  };
+  std::vector<std::array<int64_t, 3>> shapes = kShapes;
+  shapes.push_back({13, 40, 9000});
+  for_each_simd_target([&](simd::Target) {
+    for (const auto& [M, N, K] : shapes) {
+      const Case c = make_case(Op::NN, M, N, K, 37 + static_cast<uint64_t>(M * N + K), 2);
+      for (bool accumulate : {false, true}) {
+        Producer producer{&c};
+        const GemmRows rows{&Producer::row, &producer};
+        std::vector<float> C = c.C0;
+        gemm_nn_serial_rows(c.M, c.N, c.K, c.A.data(), c.lda, rows, C.data(), c.ldc, accumulate);
+        ASSERT_TRUE(same_bits(C, run(c, accumulate, /*serial=*/true)))
+            << M << " x " << N << " x " << K << " acc " << accumulate << " at "
+            << first_difference(C, run(c, accumulate, true));
+        EXPECT_GT(producer.calls, 0);
+      }
+    }
+  });
+}
+
 TEST(Gemm, MatchesDoubleReference) {
   // Not only self-consistent: close to the exact product.
   const Case c = make_case(Op::NN, 33, 47, 700, 17, 0);

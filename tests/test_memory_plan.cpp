@@ -437,7 +437,7 @@ TEST(KernelScratch, ReportsAreWhatCallsAllocate) {
     EXPECT_EQ(workspace_of_one_call([&] {
                 mxfp4_gemm_nn(m, in.data(), rows, w, out.data(), cols, false);
               }),
-              bytes_of(mxfp4_gemm_nn_scratch_floats(m)))
+              bytes_of(mxfp4_gemm_nn_scratch_floats(m, rows, cols)))
         << "nn, m = " << m;
   }
   // The fp32 GEMM's serial forms: the skinny nt path, one K block, several, and K in slices
@@ -479,12 +479,13 @@ TEST(KernelScratch, ReportsAreWhatCallsAllocate) {
 // An expert's calls have any row count up to the largest, and a smaller one can ask for more
 // (a 3-row tile's x panel on AVX-512): the plan covers every count.
 TEST(KernelScratch, PlanCoversEveryRowCountOfAnExpert) {
+  const int64_t rows = 704, cols = 1024;  // W of an expert's down projection, nn
   memory_replay::Workspace plan;
   plan.mxfp4_nt(512);
-  plan.mxfp4_nn(512);
+  plan.mxfp4_nn(512, rows, cols);
   for (int64_t m = 1; m <= 512; ++m)
     for (const ScratchFloats s :
-         {mxfp4_gemm_nt_scratch_floats(m), mxfp4_gemm_nn_scratch_floats(m)}) {
+         {mxfp4_gemm_nt_scratch_floats(m), mxfp4_gemm_nn_scratch_floats(m, rows, cols)}) {
       memory_replay::Workspace with_call = plan;
       with_call.on_any_thread(s);
       EXPECT_EQ(with_call.bytes(2), plan.bytes(2)) << "a call of " << m << " rows needs more";

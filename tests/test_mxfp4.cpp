@@ -601,9 +601,10 @@ TEST(Mxfp4Gemm, NtIsItsSpelledOutArithmeticOnEveryTarget) {
 
 TEST(Mxfp4Gemm, NnIsTheFp32GemmOnTheDecodedWeightsOnEveryTarget) {
   // dx = dy·W is the fp32 gemm_nn's chain over W's rows in order, on the dequantized values.
+  // 520 rows: AVX2 runs the fp32 GEMM itself on W's decoded rows (kNnGemmFromRows).
   Rng rng(30);
   for_each_simd_target([&](simd::Target) {
-    for (int64_t m : {1, 2, 3, 4, 5, 8, 9, 40})
+    for (int64_t m : {1, 2, 3, 4, 5, 8, 9, 40, 520})
       for (int64_t rows : {1, 17, 300})
         for (bool acc : {false, true}) {
           const PackedMatrix pm(rows, 352, rng);

@@ -64,9 +64,19 @@ struct Problem {
   // C(i, j) is stored at C[j·ldc + i]: the problem is the transpose of the caller's (see
   // transposed_pays).
   bool c_transposed = false;
+  // nn only: B's row k is rows->row(.., rows_k0 + k, ..) instead of B + k·ldb (B unused).
+  const GemmRows* rows = nullptr;
+  int64_t rows_k0 = 0;
 
   float a(int64_t i, int64_t k) const { return layout == Layout::TN ? A[k * lda + i] : A[i * lda + k]; }
-  float b(int64_t k, int64_t j) const { return layout == Layout::NT ? B[j * ldb + k] : B[k * ldb + j]; }
+  float b(int64_t k, int64_t j) const {
+    if (rows) {
+      float v;
+      rows->row(rows->ctx, rows_k0 + k, j, 1, &v);
+      return v;
+    }
+    return layout == Layout::NT ? B[j * ldb + k] : B[k * ldb + j];
+  }
 };
 
 // Whether a call runs on all threads: the parallel forms, where the product is large enough to be
@@ -193,21 +203,29 @@ void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, in
     // B's rows are k: copy kNr floats of each row into each panel (fewer at the right edge,
     // zero-filled). k outer: each row's span of the panels is read front to back, one stream
     // of whole lines, where a panel at a time read 2 lines per row down a strided column.
+    // A produced B (GemmRows) writes each row's span of the block [jc + jp0·kNr, ...) here first.
+    static_assert(kNc <= kGemmRowsMaxFloats, "a produced row spans at most one column block");
+    alignas(64) float produced[kNc];
     const int64_t j_end = jc + nc;
-    const float* src = p.B + (pc + k0) * p.ldb + jc;
-    for (int64_t k = k0; k < k1; ++k, src += p.ldb)
+    const int64_t j_from = jc + jp0 * kNr, j_to = std::min(j_end, jc + jp1 * kNr);
+    const float* src = p.rows ? nullptr : p.B + (pc + k0) * p.ldb + jc;
+    for (int64_t k = k0; k < k1; ++k, src = p.rows ? nullptr : src + p.ldb) {
+      // Columns from j_from: the block's panels [jp0, jp1).
+      const float* row = src ? src + jp0 * kNr : produced;
+      if (p.rows) p.rows->row(p.rows->ctx, p.rows_k0 + pc + k, j_from, j_to - j_from, produced);
       for (int64_t jp = jp0; jp < jp1; ++jp) {
         const int64_t w = std::min(kNr, j_end - (jc + jp * kNr));
         float* dst = out + (jp * kc + k) * kNr;
         for (int64_t v = 0; v < kNv; ++v) {
           const int64_t n = std::clamp<int64_t>(w - v * kN, 0, kN);
-          const float* at = src + jp * kNr + v * kN;
+          const float* at = row + (jp - jp0) * kNr + v * kN;
           const V x = n == kN ? hn::LoadU(d, at)
                       : n == 0 ? hn::Zero(d)
                                : hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(n)), d, at);
           hn::Store(x, d, dst + v * kN);
         }
       }
+    }
     return;
   }
   // nt: B's rows are j. Squares of kN columns × kN k's (from k0, a multiple of kN) are
@@ -753,7 +771,8 @@ void run_sliced(const Problem& p, int threads, int64_t max_packed_b) {
     q.K = std::min(max_k, p.K - k0);
     q.accumulate = p.accumulate || k0 > 0;
     q.A = p.layout == Layout::TN ? p.A + k0 * p.lda : p.A + k0;
-    q.B = p.layout == Layout::NT ? p.B + k0 : p.B + k0 * p.ldb;
+    if (!p.rows) q.B = p.layout == Layout::NT ? p.B + k0 : p.B + k0 * p.ldb;
+    q.rows_k0 = p.rows_k0 + k0;
     run(q, threads, max_packed_b);
   }
 }
@@ -930,6 +949,15 @@ void gemm(Layout layout, int64_t M, int64_t N, int64_t K, const float* A, int64_
 }
 
 }  // namespace
+
+void gemm_nn_serial_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                         const GemmRows& B, float* C, int64_t ldc, bool accumulate) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) return gemm(Layout::NN, M, N, K, A, lda, nullptr, 0, C, ldc, accumulate, false);
+  Problem p{Layout::NN, M, N, K, A, lda, nullptr, 0, C, ldc, accumulate};
+  p.rows = &B;
+  MOE_DISPATCH(Gemm)(p, 1, /*per_thread=*/true);
+}
 
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
              int64_t ldb, float* C, int64_t ldc, bool accumulate) {

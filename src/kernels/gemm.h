@@ -42,6 +42,19 @@ void gemm_nn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda
 void gemm_tn_serial(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                     int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
+// gemm_nn_serial with B supplied a row at a time by a producer rather than read as fp32 from
+// memory: row(ctx, k, j0, n, out) writes B(k, j0), ..., B(k, j0 + n - 1) to out (n at most
+// kGemmRowsMaxFloats). For weights kept in another format and decoded as they are packed (the
+// MXFP4 experts' input gradient): the bits of gemm_nn_serial over the decoded rows, and its
+// scratch (gemm_scratch_floats(GemmLayout::NN, M, N, K, true)).
+struct GemmRows {
+  void (*row)(const void* ctx, int64_t k, int64_t j0, int64_t n, float* out);
+  const void* ctx;
+};
+inline constexpr int64_t kGemmRowsMaxFloats = 1024;
+void gemm_nn_serial_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                         const GemmRows& B, float* C, int64_t ldc, bool accumulate);
+
 // The operand layouts of gemm_nt, gemm_nn and gemm_tn.
 enum class GemmLayout { NT, NN, TN };
 

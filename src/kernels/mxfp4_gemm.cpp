@@ -37,7 +37,9 @@
 //   or a W panel (nn) into scratch once and reuse them across all x / dy row blocks from L1/L2,
 //   so the decode cost is amortised over the rows and the inner loop is pure FMAs. On AVX2, from
 //   32 rows on, nt runs each virtual lane as its own GEMM (vectors across W rows, see
-//   run_nt_lanes), which fills the FMA pipes where 16-lane accumulators do not fit the registers.
+//   run_nt_lanes), which fills the FMA pipes where 16-lane accumulators do not fit the registers;
+//   and from 512 rows on, nn is the fp32 GEMM itself, fed W's rows decoded as it packs them
+//   (kNnGemmFromRows). Never a decoded copy of the whole matrix: at most a column block of it.
 //
 // * Scratch, per thread (kernels/kernel_scratch.h: kept between calls, counted as workspace),
 //   bounded independently of the matrix — larger operands are walked chunk by chunk:
@@ -47,7 +49,8 @@
 //         (AVX2) holds 516 x rows (2 MiB), then two panels of 16 decoded W rows (this one and
 //         the next: 128 KiB) and a tile's partial lane sums, one per tree level (2 KiB);
 //     nn: on the buffered path a decoded W panel of kKr rows × 64 columns (64 KiB); the fused
-//         path needs none.
+//         path needs none; the fp32 GEMM (AVX2, 512 rows and more) what gemm_scratch_floats
+//         says for the shape: a column block of decoded W (at most 4 MiB) and A panels.
 //   The memory plan asks the kernels (mxfp4_gemm_*_scratch_floats) rather than restating this:
 //   the tile a call of m rows runs comes from one table (with_nt_kernel, with_nn_kernel).
 
@@ -59,6 +62,7 @@
 #include "core/error.h"
 #include "core/simd.h"
 #include "kernels/kernel_scratch.h"
+#include "kernels/gemm.h"
 #include "kernels/mxfp4.h"
 
 #ifndef MOE_KERNELS_MXFP4_GEMM_SHARED
@@ -1025,6 +1029,14 @@ void run_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, floa
   }
 }
 
+// From this many dy rows on, AVX2 runs dx = dy·W as the fp32 GEMM itself (the same arithmetic,
+// gemm_nn_serial_rows), packing W's rows as it decodes them. The 3-row buffered tile reads its
+// dy rows again for every 32-column strip of W, and there the GEMM's 6 × 16 tile and packed A
+// win: 704 × 1024 and 1024 × 704 experts, 512 rows, two threads, cold (`bench_frozen_experts`)
+// 0.91-0.94 -> 1.04-1.06 of the fp32 path; the crossover is at 384-512 rows (256 rows:
+// 0.91-1.01x, 64 rows: 0.81-0.85x, alternated in one process; docs/PERF.md, session 39).
+constexpr int64_t kNnGemmFromRows = 512;
+
 // The kernel a call of m rows runs (see with_nt_kernel).
 template <int64_t N, class Kernel>
 auto with_nn_kernel(int64_t m, const Kernel& k) {
@@ -1043,6 +1055,7 @@ auto with_nn_kernel(int64_t m, const Kernel& k) {
   } else if constexpr (N == 8) {
     // 4 rows: the buffered 3-row tile would pad to 6; two fused passes of 2 rows measured
     // 61 -> 72-76 GFLOP/s (one core, cold 704 x 1024 experts); fused 3- or 4-row tiles spill.
+    if (m >= kNnGemmFromRows) return k.gemm();
     switch (m) {
       case 1: return k.template tile<1, 2, true>();
       case 2:
@@ -1054,14 +1067,39 @@ auto with_nn_kernel(int64_t m, const Kernel& k) {
   }
 }
 
+// W's row k, columns [j0, j0 + n), decoded in natural order: the rows the fp32 GEMM packs
+// (GemmRows) when it runs the input gradient itself.
+void decode_row_span(const void* ctx, int64_t k, int64_t j0, int64_t n, float* out) {
+  const Mxfp4Matrix& w = *static_cast<const Mxfp4Matrix*>(ctx);
+  const D d;
+  const uint8_t* packed = w.packed + k * w.packed_stride;
+  const uint8_t* scales = w.scales + k * w.scale_stride;
+  for (int64_t blk = j0 / kBlock; blk * kBlock < j0 + n; ++blk) {
+    const int64_t c0 = blk * kBlock, from = std::max(j0, c0), to = std::min(j0 + n, c0 + kBlock);
+    alignas(64) float part[kBlock];
+    float* dst = from == c0 && to == c0 + kBlock ? out + (c0 - j0) : part;
+    V e[kGroups], o[kGroups];
+    Decoder(scales[blk]).block(packed + blk * 16, e, o);
+    for (int64_t q = 0; q < kGroups; ++q) hn::StoreInterleaved2(e[q], o[q], d, dst + 2 * q * kN);
+    if (dst == part)
+      std::memcpy(out + (from - j0), part + (from - c0), sizeof(float) * static_cast<size_t>(to - from));
+  }
+}
+
 struct NnCall : CallArgs {
   template <int A, int NB, bool kFused>
   void tile() const { run_nn<A, NB, kFused>(m, in, ldin, w, out, ldout, accumulate); }
+  void gemm() const {
+    const GemmRows rows{&decode_row_span, &w};
+    gemm_nn_serial_rows(m, w.cols, w.rows, in, ldin, rows, out, ldout, accumulate);
+  }
 };
 
 struct NnScratch {
+  int64_t m, rows, cols;
   template <int A, int NB, bool kFused>
   ScratchFloats tile() const { return nn_scratch(NB, kFused); }
+  ScratchFloats gemm() const { return gemm_scratch_floats(GemmLayout::NN, m, cols, rows, true); }
 };
 
 void GemmNN(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
@@ -1069,8 +1107,8 @@ void GemmNN(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, floa
   with_nn_kernel<kN>(m, NnCall{{m, dy, lddy, w, dx, lddx, accumulate}});
 }
 
-ScratchFloats GemmNNScratch(int64_t m) {
-  return m <= 0 ? ScratchFloats{} : with_nn_kernel<kN>(m, NnScratch{});
+ScratchFloats GemmNNScratch(int64_t m, int64_t rows, int64_t cols) {
+  return m <= 0 ? ScratchFloats{} : with_nn_kernel<kN>(m, NnScratch{m, rows, cols});
 }
 
 }  // namespace HWY_NAMESPACE
@@ -1086,7 +1124,9 @@ HWY_EXPORT(GemmNTScratch);
 HWY_EXPORT(GemmNNScratch);
 
 ScratchFloats mxfp4_gemm_nt_scratch_floats(int64_t m) { return MOE_DISPATCH(GemmNTScratch)(m); }
-ScratchFloats mxfp4_gemm_nn_scratch_floats(int64_t m) { return MOE_DISPATCH(GemmNNScratch)(m); }
+ScratchFloats mxfp4_gemm_nn_scratch_floats(int64_t m, int64_t rows, int64_t cols) {
+  return MOE_DISPATCH(GemmNNScratch)(m, rows, cols);
+}
 
 void mxfp4_gemm_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w, float* y,
                    int64_t ldy, bool accumulate) {

@@ -34,8 +34,10 @@ void mxfp4_gemm_nt(int64_t m, const float* x, int64_t ldx, const Mxfp4Matrix& w,
 void mxfp4_gemm_nn(int64_t m, const float* dy, int64_t lddy, const Mxfp4Matrix& w, float* dx,
                    int64_t lddx, bool accumulate);
 
-// The scratch a call of m rows asks for on the current SIMD target (whatever W's shape).
+// The scratch a call of m rows asks for on the current SIMD target: nt's whatever W's shape,
+// nn's for W of rows × cols (from some row count on, the fp32 GEMM runs it, packing W's
+// decoded rows: gemm_nn_serial_rows).
 ScratchFloats mxfp4_gemm_nt_scratch_floats(int64_t m);
-ScratchFloats mxfp4_gemm_nn_scratch_floats(int64_t m);
+ScratchFloats mxfp4_gemm_nn_scratch_floats(int64_t m, int64_t rows, int64_t cols);
 
 }  // namespace moe

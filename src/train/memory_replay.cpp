@@ -134,7 +134,7 @@ void ReplayParts::experts_nt(int64_t in, int64_t out) {
 
 void ReplayParts::experts_nn(int64_t in, int64_t out) {
   const int64_t m = std::min<int64_t>(512, d_.max_rows_per_expert());
-  if (d_.mxfp4) return ws_.mxfp4_nn(m);
+  if (d_.mxfp4) return ws_.mxfp4_nn(m, out, std::min<int64_t>(4096, in));
   ws_.serial_nn(m, std::min<int64_t>(4096, in), out);
 }
 
@@ -557,8 +557,8 @@ void Workspace::mxfp4_nt(int64_t m) {
   for (int64_t r = 1; r <= m; ++r) on_any_thread(mxfp4_gemm_nt_scratch_floats(r));
 }
 
-void Workspace::mxfp4_nn(int64_t m) {
-  for (int64_t r = 1; r <= m; ++r) on_any_thread(mxfp4_gemm_nn_scratch_floats(r));
+void Workspace::mxfp4_nn(int64_t m, int64_t rows, int64_t cols) {
+  for (int64_t r = 1; r <= m; ++r) on_any_thread(mxfp4_gemm_nn_scratch_floats(r, rows, cols));
 }
 
 int64_t Workspace::bytes(int threads) const {

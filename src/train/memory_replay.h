@@ -64,7 +64,7 @@ class Workspace {
   void serial_up_to(int64_t m, int64_t N, int64_t K, GemmLayout layout);
   // mxfp4_gemm_nt / _nn calls of up to m rows (inside parallel loops).
   void mxfp4_nt(int64_t m);
-  void mxfp4_nn(int64_t m);
+  void mxfp4_nn(int64_t m, int64_t rows, int64_t cols);  // W of rows × cols
   // Any kernel call asking for s, on any thread.
   void on_any_thread(ScratchFloats s);
   int64_t bytes(int threads) const;
