@@ -208,11 +208,11 @@ void pack_b(const Problem& p, int64_t pc, int64_t kc, int64_t jc, int64_t nc, in
     alignas(64) float produced[kNc];
     const int64_t j_end = jc + nc;
     const int64_t j_from = jc + jp0 * kNr, j_to = std::min(j_end, jc + jp1 * kNr);
-    const float* src = p.rows ? nullptr : p.B + (pc + k0) * p.ldb + jc;
-    for (int64_t k = k0; k < k1; ++k, src = p.rows ? nullptr : src + p.ldb) {
-      // Columns from j_from: the block's panels [jp0, jp1).
-      const float* row = src ? src + jp0 * kNr : produced;
+    for (int64_t k = k0; k < k1; ++k) {
+      // Row k's columns from j_from: the block's panels [jp0, jp1).
+      const float* row = produced;
       if (p.rows) p.rows->row(p.rows->ctx, p.rows_k0 + pc + k, j_from, j_to - j_from, produced);
+      else row = p.B + (pc + k) * p.ldb + j_from;
       for (int64_t jp = jp0; jp < jp1; ++jp) {
         const int64_t w = std::min(kNr, j_end - (jc + jp * kNr));
         float* dst = out + (jp * kc + k) * kNr;

@@ -134,8 +134,9 @@ void ReplayParts::experts_nt(int64_t in, int64_t out) {
 
 void ReplayParts::experts_nn(int64_t in, int64_t out) {
   const int64_t m = std::min<int64_t>(512, d_.max_rows_per_expert());
-  if (d_.mxfp4) return ws_.mxfp4_nn(m, out, std::min<int64_t>(4096, in));
-  ws_.serial_nn(m, std::min<int64_t>(4096, in), out);
+  const int64_t cols = std::min<int64_t>(4096, in);
+  if (d_.mxfp4) return ws_.mxfp4_nn(m, out, cols);
+  ws_.serial_nn(m, cols, out);
 }
 
 void ReplayParts::experts_weight_grad(int64_t in, int64_t out) {
