@@ -791,7 +791,11 @@ void skinny_columns(const Problem& p, int64_t j0) {
   const D d;
   const int64_t rows = std::min(kN, p.N - j0);
   const auto col_mask = hn::FirstN(d, static_cast<size_t>(rows));
+  // The loops over the M rows are unrolled by force: left to GCC, the 3- and 4-row kernels kept
+  // acc on the stack, a load and a store around every FMA (AVX2 and AVX-512 alike), and ran at
+  // 0.55-0.7 of the speed (docs/PERF.md, session 40).
   V acc[M];
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
     acc[i] = p.accumulate ? hn::MaskedLoad(col_mask, d, p.C + i * p.ldc + j0) : hn::Zero(d);
   // The next group's kN rows are fetched a line each as this group passes the same k's. A
@@ -811,10 +815,12 @@ void skinny_columns(const Problem& p, int64_t j0) {
 #pragma GCC unroll 16
       for (int64_t q = 0; q < kN; ++q)
         if (q < kn)
+#pragma GCC unroll 8
           for (int i = 0; i < M; ++i)
             acc[i] = hn::MulAdd(hn::Set(d, p.A[i * p.lda + k0 + q]), r[q], acc[i]);
     });
   }
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) hn::BlendedStore(acc[i], col_mask, d, p.C + i * p.ldc + j0);
 }
 
