@@ -84,10 +84,25 @@ size_t first_difference(const std::vector<float>& a, const std::vector<float>& b
   return a.size();
 }
 
+// Each row of an nt product against the same row computed alone (gemm_nt of one row: the skinny
+// path), bitwise.
+::testing::AssertionResult rows_match_rows_alone(const Case& c, const std::vector<float>& got,
+                                                 bool accumulate) {
+  for (int64_t i = 0; i < c.M; ++i) {
+    std::vector<float> row(c.C0.begin() + i * c.ldc, c.C0.begin() + i * c.ldc + c.N);
+    gemm_nt(1, c.N, c.K, c.A.data() + i * c.lda, c.lda, c.B.data(), c.ldb, row.data(), c.N,
+            accumulate);
+    if (std::memcmp(row.data(), got.data() + i * c.ldc, row.size() * sizeof(float)) != 0)
+      return ::testing::AssertionFailure() << "row " << i << " differs from the row alone";
+  }
+  return ::testing::AssertionSuccess();
+}
+
 // Shapes around every block edge of the kernels: register tiles (6/12 rows, 16/32 columns; last
 // panels of at most one vector, 8/16 columns, run a one-vector tile), row blocks of 48/96, K
 // blocks (≤ 320 on AVX2, ≤ 512 on AVX-512, split evenly), B blocks of 512/1024 columns,
-// one-element and empty-remainder cases, and the skinny (M <= 4) nt path.
+// one-element and empty-remainder cases, the skinny (M <= 4) nt path and the few-row one (5 to
+// 16/32 rows).
 const std::vector<std::array<int64_t, 3>> kShapes = {
     {1, 1, 1},     {1, 17, 5},    {7, 13, 5},    {12, 32, 320},  {13, 33, 321}, {6, 16, 300},
     {12, 32, 512}, {13, 33, 513},
@@ -211,14 +226,8 @@ TEST(Gemm, FewRowsAgainstLargeWeightsRunTransposedWithTheSameBits) {
           const Case c = make_case(Op::NT, M, 1030, 1100, seed++, pad);
           set_num_threads(1);
           const auto one = run(c, accumulate);
-          for (int64_t i = 0; i < M; ++i) {
-            std::vector<float> row(c.C0.begin() + i * c.ldc, c.C0.begin() + i * c.ldc + c.N);
-            gemm_nt(1, c.N, c.K, c.A.data() + i * c.lda, c.lda, c.B.data(), c.ldb, row.data(),
-                    c.N, accumulate);
-            ASSERT_EQ(
-                std::memcmp(row.data(), one.data() + i * c.ldc, row.size() * sizeof(float)), 0)
-                << "M=" << M << " lda=" << c.lda << " accumulate=" << accumulate << " row " << i;
-          }
+          ASSERT_TRUE(rows_match_rows_alone(c, one, accumulate))
+              << "M=" << M << " lda=" << c.lda << " accumulate=" << accumulate;
           for (int64_t i : {int64_t{0}, M / 2, M - 1})
             for (int64_t j : {0, 11, 12, 1019, 1020, 1029}) {
               float s = accumulate ? c.C0[i * c.ldc + j] : 0.0f;
@@ -235,15 +244,40 @@ TEST(Gemm, FewRowsAgainstLargeWeightsRunTransposedWithTheSameBits) {
     // A contraction longer than a slice (4,096 on AVX-512, 8,192 on AVX2) continues the
     // transposed chains through C; rows alone take the skinny path, which has no slices.
     const Case c = make_case(Op::NT, 40, 300, 9000, 29, 1);
-    for (bool accumulate : {false, true}) {
-      const auto got = run(c, accumulate, true);
-      for (int64_t i = 0; i < c.M; ++i) {
-        std::vector<float> row(c.C0.begin() + i * c.ldc, c.C0.begin() + i * c.ldc + c.N);
-        gemm_nt(1, c.N, c.K, c.A.data() + i * c.lda, c.lda, c.B.data(), c.ldb, row.data(), c.N,
-                accumulate);
-        ASSERT_EQ(std::memcmp(row.data(), got.data() + i * c.ldc, row.size() * sizeof(float)), 0)
-            << "K=9000 accumulate=" << accumulate << " row " << i;
-      }
+    for (bool accumulate : {false, true})
+      ASSERT_TRUE(rows_match_rows_alone(c, run(c, accumulate, true), accumulate))
+          << "K=9000 accumulate=" << accumulate;
+  });
+  set_num_threads(before);
+}
+
+TEST(Gemm, FewRowsReadTheWeightsInPlaceWithTheSameBits) {
+  // nt with 5 to kNr rows (16 on AVX2, 32 on AVX-512) broadcasts W's rows in place against a
+  // k-major copy of x, six W rows at a time. Against the chain: 5-32 rows (one and two vectors of
+  // rows, and the packed paths past kNr), a weight stride of 1,024 floats (the rows share an L1
+  // set, so the next rows are fetched half a row on) and of 1,103, a K of 4,200 (xt in slices,
+  // the chains continuing through C), 37 weight rows (a last group of one); serial, on one
+  // thread and on two. Then 1,031 weight rows over 1-3 threads, every row against itself alone.
+  const int before = num_threads();
+  for_each_simd_target([](simd::Target) {
+    uint64_t seed = 500;
+    for (int64_t M : {5, 6, 8, 9, 15, 16, 17, 31, 32})
+      for (const auto& [K, pad] : {std::pair<int64_t, int64_t>{1000, 24}, {1100, 3}, {4200, 0}})
+        for (bool accumulate : {false, true}) {
+          const Case c = make_case(Op::NT, M, 37, K, seed++, pad);
+          const auto want = reference(c, accumulate);
+          set_num_threads(1);
+          ASSERT_TRUE(same_bits(run(c, accumulate), want))
+              << "M=" << M << " K=" << K << " ldb=" << c.ldb << " accumulate=" << accumulate
+              << " first difference at " << first_difference(run(c, accumulate), want);
+          ASSERT_TRUE(same_bits(run(c, accumulate, true), want)) << "M=" << M << " K=" << K << " serial";
+          set_num_threads(2);
+          ASSERT_TRUE(same_bits(run(c, accumulate), want)) << "M=" << M << " K=" << K << " threads 2";
+        }
+    const Case c = make_case(Op::NT, 12, 1031, 1000, 77, 24);
+    for (int threads : {1, 2, 3}) {
+      set_num_threads(threads);
+      ASSERT_TRUE(rows_match_rows_alone(c, run(c, true), true)) << "threads " << threads;
     }
   });
   set_num_threads(before);

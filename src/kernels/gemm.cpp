@@ -25,7 +25,9 @@
 //   tn — a copy, never a transposition. The micro-panel (≤ 24 KiB) stays in L1 while the B
 //   panels stream from L2. nt with a few hundred rows or fewer against weights too large for
 //   the L2 runs as its transpose Cᵀ = B·Aᵀ, so that the small operand is the packed one
-//   (transposed_pays).
+//   (transposed_pays). nt with up to kNr rows packs nothing: W's rows are read in place, a kN-row
+//   square at a time transposed in registers (1-4 rows, skinny_columns) or as broadcasts against
+//   a k-major copy of x (5 to kNr rows, run_few_rows).
 //
 // * Threads. All threads pack a column block of B together into one shared buffer, then take
 //   tasks (row blocks, and column parts when rows alone are too few) dynamically, each packing
@@ -469,18 +471,20 @@ struct PackedB {
 // stays in L2 from one K block to the next.
 constexpr int64_t kSliceBytes = 512 * 1024;
 
+// How many of the L1's 64 sets the lines at one column of `rows` rows ld floats apart fall in.
 // nt and nn read A's rows in place, without a packed copy, where the kMr rows of a
 // micro-panel spread over at least half as many of the L1's 64 sets (one line of each row is
 // live at a time): the copy was 7.6% of a `small` training step, which runs 1-2% faster
 // without it. A row stride near a multiple of 4 KiB puts the rows in a few sets, where B's
 // stream evicts them: 2048³ (nt, nn) with its rows in place ran 0.66-0.68 of the FMA peak
 // against 0.65-0.74 copied, so those strides keep the copy (docs/PERF.md, session 27).
-bool rows_in_place(int64_t lda) {
+int64_t l1_sets_of_rows(int64_t ld, int64_t rows) {
   constexpr int64_t kL1Sets = 64;
   uint64_t sets = 0;
-  for (int64_t i = 0; i < kMr; ++i) sets |= uint64_t{1} << (i * lda / kLineFloats % kL1Sets);
-  return std::popcount(sets) >= kMr / 2;
+  for (int64_t i = 0; i < rows; ++i) sets |= uint64_t{1} << (i * ld / kLineFloats % kL1Sets);
+  return std::popcount(sets);
 }
+bool rows_in_place(int64_t lda) { return l1_sets_of_rows(lda, kMr) >= kMr / 2; }
 
 // The C tile at (i, j) of the next micro-kernel call (rows below i1, columns below j1), fetched
 // for writing while this call runs. Its kMr rows lie a row stride apart, often in memory (a
@@ -786,6 +790,13 @@ void run_sliced(const Problem& p, int threads, int64_t max_packed_b) {
 // accumulators whose lanes are the columns j — the same chain per C(i, j), in the same k order.
 constexpr int64_t kSkinnyRows = 4;
 
+// How far along K (floats) a group of `rows` rows of B that walks K in lockstep fetches the next
+// group's rows: at the same k, unless the lines of both groups at one k would crowd fewer L1 sets
+// than one group has rows; then half of K further on.
+int64_t next_lines_ahead(int64_t ldb, int64_t rows, int64_t K) {
+  return l1_sets_of_rows(ldb, 2 * rows) < rows ? round_up(K / 2, kLineFloats) : 0;
+}
+
 template <int M>
 void skinny_columns(const Problem& p, int64_t j0) {
   const D d;
@@ -803,14 +814,19 @@ void skinny_columns(const Problem& p, int64_t j0) {
   // prefetchers barely start before it ends: M = 1 over 2048 × 1024 matrices from DRAM read
   // 10.4 GB/s without this, 12.3 with it, and a 20-layer model decoded 39.3-40.2 tokens/s
   // without, 42.2-44.3 with (docs/PERF.md, session 29). Prefetching each row further along
-  // itself instead made decoding slower. Written inline: GCC deletes calls to a function that
-  // only prefetches.
+  // itself instead made decoding slower. Where the two groups' lines at one k crowd a few L1
+  // sets (a row stride of a multiple of 1 KiB: K = 1024, 2048, 7168), the next group's lines
+  // are fetched half a row further on (wrapping), or they would evict the lines being read: M =
+  // 1-4 against 704 × 1024 weights from DRAM ran 1.25-1.35x faster (docs/PERF.md, session 41).
+  // Written inline: GCC deletes calls to a function that only prefetches.
   const int64_t next_rows = std::clamp<int64_t>(p.N - j0 - kN, 0, kN);
   const float* next = next_rows > 0 ? p.B + (j0 + kN) * p.ldb : p.B;
+  const int64_t ahead = next_lines_ahead(p.ldb, kN, p.K), wrap = round_up(p.K, kLineFloats);
   for (int64_t k0 = 0; k0 < p.K; k0 += kN) {
     const int64_t kn = std::min(kN, p.K - k0);
     if (k0 % kLineFloats == 0)
-      for (int64_t q = 0; q < next_rows; ++q) __builtin_prefetch(next + q * p.ldb + k0);
+      for (int64_t q = 0; q < next_rows; ++q)
+        __builtin_prefetch(next + q * p.ldb + (k0 + ahead) % wrap);
     with_transposed_square(p.B + j0 * p.ldb + k0, p.ldb, rows, kn, [&](const V* r) {
 #pragma GCC unroll 16
       for (int64_t q = 0; q < kN; ++q)
@@ -833,6 +849,121 @@ void run_skinny(const Problem& p, int threads) {
       skinny_columns<M>(p, g * kN);
   };
   for_items(threads, tasks, /*dynamic=*/false, task);
+}
+
+// ------------------------------------------------------------------------------ few rows nt
+
+// y = x·Wᵀ for 5 to kNr rows of x (a few sequences decoded together, an expert's few tokens):
+// too many rows for skinny_columns' accumulators, and packing W would read it, write a copy and
+// read that again for a few multiply-adds per weight. Here the vectors run across the rows of x
+// instead: x is copied k-major once per call (xt, kV vectors per k, zeros past M), and W's rows
+// are read in place, one broadcast per weight, against the xt vectors of that k. A group of kFewW
+// W rows walks K in lockstep: per k, kV xt loads and kFewW broadcasts feed kFewW · kV FMAs, with
+// no transposition of W at all. The accumulators are columns j of C (lanes: rows i), so C goes
+// in and out through a small tile; each C(i, j) is still the one chain over k in order
+// (fma(w, x, c) = fma(x, w, c) bit for bit). Against the packed path (and the transposed one at
+// kNr rows), W from DRAM, two threads on AVX2: 704 × 1024 weights 1.5-1.7x at 5-15 rows and
+// 2.0x at 16; gemm_nt of 8 rows against 4096 × 1024 2.1x (docs/PERF.md, session 41).
+// Six W rows: where the row stride is a multiple of 4 KiB (K = 1024, 2048, 7168) the six lines
+// being read share one L1 set, and the 8-way sets leave room for little else (twelve rows ran
+// at half the speed there, and no faster elsewhere).
+constexpr int64_t kFewW = 6;
+// K is walked in slices that keep xt within a quarter of a 512 KiB L2 (the chains continue
+// through C from one slice to the next).
+constexpr int64_t kFewSliceBytes = 128 * 1024;
+
+template <int kV, int kJ>
+HWY_INLINE void few_rows_group(const Problem& p, const float* HWY_RESTRICT xt, int64_t j0,
+                               int64_t kn, bool load_c) {
+  const D d;
+  constexpr int64_t kLanes = kV * kN;
+  const int64_t rows = std::min<int64_t>(kJ, p.N - j0);
+  alignas(64) float tile[kJ][kLanes];
+  V acc[kJ][kV];
+  if (load_c) {
+    for (int64_t r = 0; r < kJ; ++r)
+      for (int64_t i = 0; i < kLanes; ++i)
+        tile[r][i] = r < rows && i < p.M ? p.C[i * p.ldc + j0 + r] : 0.0f;
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kJ; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < kV; ++v) acc[r][v] = load_c ? hn::Load(d, tile[r] + v * kN) : hn::Zero(d);
+  // Rows past N repeat the last one (their columns are not stored).
+  const float* w[kJ];
+  for (int64_t r = 0; r < kJ; ++r) w[r] = p.B + (j0 + std::min<int64_t>(r, rows - 1)) * p.ldb;
+  const int64_t next_rows = std::clamp<int64_t>(p.N - j0 - kJ, 0, kJ);
+  const float* next = p.B + (j0 + (next_rows > 0 ? kJ : 0)) * p.ldb;
+  // The next group's rows are fetched a line each as this group passes its k's (as in
+  // skinny_columns, and half a row further on where the rows crowd a few L1 sets: 1.15-1.2x at
+  // K = 1024). The k loop runs a line at a time, so the prefetches sit outside the FMA loop:
+  // with them inside it behind a test of k, two W pointers lived on the stack.
+  const int64_t ahead = next_lines_ahead(p.ldb, kJ, kn), wrap = round_up(kn, kLineFloats);
+  for (int64_t k0 = 0; k0 < kn; k0 += kLineFloats) {
+    for (int64_t q = 0; q < next_rows; ++q) __builtin_prefetch(next + q * p.ldb + (k0 + ahead) % wrap);
+    const int64_t k1 = std::min(kn, k0 + kLineFloats);
+    for (int64_t k = k0; k < k1; ++k) {
+      V x[kV];
+#pragma GCC unroll 2
+      for (int v = 0; v < kV; ++v) x[v] = hn::Load(d, xt + k * kLanes + v * kN);
+#pragma GCC unroll 16
+      for (int r = 0; r < kJ; ++r) {
+        const V a = hn::Set(d, w[r][k]);
+#pragma GCC unroll 2
+        for (int v = 0; v < kV; ++v) acc[r][v] = hn::MulAdd(a, x[v], acc[r][v]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kJ; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < kV; ++v) hn::Store(acc[r][v], d, tile[r] + v * kN);
+  for (int64_t i = 0; i < p.M; ++i)
+    for (int64_t r = 0; r < rows; ++r) p.C[i * p.ldc + j0 + r] = tile[r][i];
+}
+
+// x rows [0, M) × k's [k0, k0 + kn) into xt[k · lanes + i], zeros for i >= M: kN × kN squares
+// transposed in registers.
+void pack_x_k_major(const Problem& p, int64_t k0, int64_t kn, int64_t lanes, float* xt) {
+  const D d;
+  for (int64_t i0 = 0; i0 < lanes; i0 += kN)
+    for (int64_t k = 0; k < kn; k += kN) {
+      const int64_t rows = std::clamp<int64_t>(p.M - i0, 0, kN), cols = std::min(kN, kn - k);
+      with_transposed_square(p.A + std::min(i0, p.M - 1) * p.lda + k0 + k, p.lda, rows, cols,
+                             [&](const V* r) {
+                               for (int64_t c = 0; c < cols; ++c)
+                                 hn::Store(r[c], d, xt + (k + c) * lanes + i0);
+                             });
+    }
+}
+
+int64_t few_lanes(int64_t M) { return round_up(M, kN); }
+int64_t few_slice_k(int64_t M) {
+  return std::max<int64_t>(kLineFloats, kFewSliceBytes / kFloatBytes / few_lanes(M)) / kLineFloats * kLineFloats;
+}
+
+template <int kV>
+void run_few_rows(const Problem& p, int threads) {
+  constexpr int64_t kLanes = kV * kN;
+  constexpr int64_t kGroupsPerTask = 4;
+  const int64_t slice = few_slice_k(p.M);
+  float* xt = kernel_scratch(0, std::min(slice, p.K) * kLanes);
+  const int64_t groups = ceil_div(p.N, kFewW), tasks = ceil_div(groups, kGroupsPerTask);
+  for (int64_t k0 = 0; k0 < p.K; k0 += slice) {
+    const int64_t kn = std::min(slice, p.K - k0);
+    pack_x_k_major(p, k0, kn, kLanes, xt);
+    Problem q = p;
+    q.B = p.B + k0;
+    const bool load_c = p.accumulate || k0 > 0;
+    for_items(threads, tasks, /*dynamic=*/false, [&](int64_t t) {
+      for (int64_t g = t * kGroupsPerTask; g < std::min(groups, (t + 1) * kGroupsPerTask); ++g)
+        few_rows_group<kV, kFewW>(q, xt, g * kFewW, kn, load_c);
+    });
+  }
+}
+
+bool runs_few_rows(Layout layout, int64_t M) {
+  return layout == Layout::NT && M > kSkinnyRows && M <= kNr;
 }
 
 // nt with few rows of A (tokens) against many of B (weights: an expert's projection) runs
@@ -865,6 +996,8 @@ Problem transposed(const Problem& p) {
 }
 
 void run_any(const Problem& p, int threads, int64_t max_packed_b) {
+  if (runs_few_rows(p.layout, p.M))
+    return p.M <= kN ? run_few_rows<1>(p, threads) : run_few_rows<2>(p, threads);
   if (transposed_pays(p.layout, p.M, p.N, p.K, max_packed_b))
     return run_sliced(transposed(p), threads, max_packed_b);
   if (p.layout == Layout::NT && p.M <= kSkinnyRows) {
@@ -882,6 +1015,7 @@ void run_any(const Problem& p, int threads, int64_t max_packed_b) {
 // panels of a task.
 ScratchFloats scratch_floats(Layout layout, int64_t M, int64_t N, int64_t K,
                              int64_t max_packed_b) {
+  if (runs_few_rows(layout, M)) return {std::min(few_slice_k(M), K) * few_lanes(M), 0};
   const bool c_transposed = transposed_pays(layout, M, N, K, max_packed_b);
   if (c_transposed) std::swap(M, N);
   else if (layout == Layout::NT && M <= kSkinnyRows) return {};
