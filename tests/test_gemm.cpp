@@ -211,7 +211,7 @@ TEST(Gemm, TallRowBlocksAndTheirTailAreTheFmaChain) {
 }
 
 TEST(Gemm, FewRowsAgainstLargeWeightsRunTransposedWithTheSameBits) {
-  // nt with 16-256 rows against weights whose packed copy overflows half the L2 (4.5 MiB here)
+  // nt with 17-256 rows (33-256 on AVX-512) against weights whose packed copy overflows half the L2 (4.5 MiB here)
   // computes Cᵀ = B·Aᵀ and transposes C tiles on their way out. Every row against the same row
   // computed alone (the skinny path), sampled elements against the chain, and the whole product
   // the same at 1, 2 and 3 threads and serial; with A's rows in place (stride 1,100) and copied

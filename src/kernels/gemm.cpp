@@ -981,8 +981,9 @@ bool runs_few_rows(Layout layout, int64_t M) {
 // against 1.03-1.06x for K = 704 and 1024 (docs/PERF.md, session 38). Each output then costs
 // its transposition out of cbuf for only kKc multiply-adds or fewer.
 // Each C(i, j) is the same chain, since fma(a, b, c) = fma(b, a, c) bit for bit.
-// Below a panel's width of rows, a transposed product's packed A would be mostly padding.
-constexpr int64_t kTransposedMinRows = kNr;
+// Below a panel's width of rows, a transposed product's packed A would be mostly padding (and up
+// to kNr rows run_few_rows reads W in place: at kNr rows 1.5-2.0x the transposed product).
+constexpr int64_t kTransposedMinRows = kNr + 1;
 constexpr int64_t kTransposedMaxRows = 256;
 
 bool transposed_pays(Layout layout, int64_t M, int64_t N, int64_t K, int64_t max_packed_b) {
