@@ -101,8 +101,8 @@ size_t first_difference(const std::vector<float>& a, const std::vector<float>& b
 // Shapes around every block edge of the kernels: register tiles (6/12 rows, 16/32 columns; last
 // panels of at most one vector, 8/16 columns, run a one-vector tile), row blocks of 48/96, K
 // blocks (≤ 320 on AVX2, ≤ 512 on AVX-512, split evenly), B blocks of 512/1024 columns,
-// one-element and empty-remainder cases, the skinny (M <= 4) nt path and the few-row one (5 to
-// 16/32 rows).
+// one-element and empty-remainder cases, the skinny (M <= 4) nt path and the few-row nt and nn
+// paths (up to 16/32 rows).
 const std::vector<std::array<int64_t, 3>> kShapes = {
     {1, 1, 1},     {1, 17, 5},    {7, 13, 5},    {12, 32, 320},  {13, 33, 321}, {6, 16, 300},
     {12, 32, 512}, {13, 33, 513},
@@ -253,31 +253,46 @@ TEST(Gemm, FewRowsAgainstLargeWeightsRunTransposedWithTheSameBits) {
 
 TEST(Gemm, FewRowsReadTheWeightsInPlaceWithTheSameBits) {
   // nt with 5 to kNr rows (16 on AVX2, 32 on AVX-512) broadcasts W's rows in place against a
-  // k-major copy of x, six W rows at a time. Against the chain: 5-32 rows (one and two vectors of
-  // rows, and the packed paths past kNr), a weight stride of 1,024 floats (the rows share an L1
-  // set, so the next rows are fetched half a row on) and of 1,103, a K of 4,200 (xt in slices,
-  // the chains continuing through C), 37 weight rows (a last group of one); serial, on one
-  // thread and on two. Then 1,031 weight rows over 1-3 threads, every row against itself alone.
+  // k-major copy of x, six W rows at a time; nn with 1 to 12 rows (24 on AVX-512) reads B's rows
+  // in place in blocks of 16, in one or two row groups, where B overflows the L2. Against the
+  // chain: 1-32 rows (one and two vectors of rows for nt, row groups of 1-6 for nn, and the
+  // packed paths past them), a weight stride of 1,024 floats (nt: the rows share an L1 set, so
+  // the next rows are fetched half a row on) and of 1,103, K = 4,200 (nt: xt in slices, the
+  // chains continuing through C), and for nn 1-25 rows and K = 16,000 (B of 2.4 MB, over any L2
+  // here; K = 1,100 packs), 37 weight rows or columns (partial groups and tiles); serial, on one thread
+  // and on two. Then 1,031 weight rows (nt) and 1,000 columns at a stride of 1,024 (nn, 2.8 MB)
+  // over 1-3 threads.
   const int before = num_threads();
   for_each_simd_target([](simd::Target) {
     uint64_t seed = 500;
-    for (int64_t M : {5, 6, 8, 9, 15, 16, 17, 31, 32})
-      for (const auto& [K, pad] : {std::pair<int64_t, int64_t>{1000, 24}, {1100, 3}, {4200, 0}})
-        for (bool accumulate : {false, true}) {
-          const Case c = make_case(Op::NT, M, 37, K, seed++, pad);
-          const auto want = reference(c, accumulate);
-          set_num_threads(1);
-          ASSERT_TRUE(same_bits(run(c, accumulate), want))
-              << "M=" << M << " K=" << K << " ldb=" << c.ldb << " accumulate=" << accumulate
-              << " first difference at " << first_difference(run(c, accumulate), want);
-          ASSERT_TRUE(same_bits(run(c, accumulate, true), want)) << "M=" << M << " K=" << K << " serial";
-          set_num_threads(2);
-          ASSERT_TRUE(same_bits(run(c, accumulate), want)) << "M=" << M << " K=" << K << " threads 2";
-        }
-    const Case c = make_case(Op::NT, 12, 1031, 1000, 77, 24);
+    using KPad = std::vector<std::pair<int64_t, int64_t>>;
+    using Rows = std::vector<int64_t>;
+    for (Op op : {Op::NT, Op::NN})
+      for (int64_t M : op == Op::NT ? Rows{1, 3, 5, 8, 9, 13, 16, 17, 32}
+                                    : Rows{1, 5, 7, 12, 13, 25})
+        for (const auto& [K, pad] : op == Op::NT ? KPad{{1000, 24}, {1100, 3}, {4200, 0}}
+                                                 : KPad{{1100, 3}, {16000, 0}})
+          for (bool accumulate : {false, true}) {
+            const Case c = make_case(op, M, 37, K, seed++, pad);
+            const auto want = reference(c, accumulate);
+            set_num_threads(1);
+            ASSERT_TRUE(same_bits(run(c, accumulate), want))
+                << op_name(op) << " M=" << M << " K=" << K << " ldb=" << c.ldb
+                << " accumulate=" << accumulate
+                << " first difference at " << first_difference(run(c, accumulate), want);
+            ASSERT_TRUE(same_bits(run(c, accumulate, true), want))
+                << op_name(op) << " M=" << M << " K=" << K << " serial";
+            set_num_threads(2);
+            ASSERT_TRUE(same_bits(run(c, accumulate), want))
+                << op_name(op) << " M=" << M << " K=" << K << " threads 2";
+          }
+    const Case nt = make_case(Op::NT, 12, 1031, 1000, 77, 24);
+    const Case nn = make_case(Op::NN, 12, 1000, 700, 78, 24);
+    const auto nn_want = reference(nn, true);
     for (int threads : {1, 2, 3}) {
       set_num_threads(threads);
-      ASSERT_TRUE(rows_match_rows_alone(c, run(c, true), true)) << "threads " << threads;
+      ASSERT_TRUE(rows_match_rows_alone(nt, run(nt, true), true)) << "nt threads " << threads;
+      ASSERT_TRUE(same_bits(run(nn, true), nn_want)) << "nn threads " << threads;
     }
   });
   set_num_threads(before);

@@ -27,7 +27,8 @@
 //   the L2 runs as its transpose Cᵀ = B·Aᵀ, so that the small operand is the packed one
 //   (transposed_pays). nt with up to kNr rows packs nothing: W's rows are read in place, a kN-row
 //   square at a time transposed in registers (1-4 rows, skinny_columns) or as broadcasts against
-//   a k-major copy of x (5 to kNr rows, run_few_rows).
+//   a k-major copy of x (5 to kNr rows, run_few_rows); nn with up to 2·kMr rows reads B's rows
+//   in place (run_few_rows_nn).
 //
 // * Threads. All threads pack a column block of B together into one shared buffer, then take
 //   tasks (row blocks, and column parts when rows alone are too few) dynamically, each packing
@@ -309,6 +310,62 @@ constexpr int64_t kBAheadRows = 16;
 // so the bits, are the same whichever computes a column.
 enum class Width { Part, Full, Half };
 
+// A register tile of MR rows × kV vectors of C at c (row stride ldc): the first `cols` columns
+// (masks per vector), all of them when kFull. Loops are fully unrolled (constant trip counts),
+// so the accumulators live in registers.
+template <int kV>
+HWY_INLINE void column_masks(int64_t cols, hn::Mask<D>* mask) {
+  for (int v = 0; v < kV; ++v)
+    mask[v] = hn::FirstN(D(), static_cast<size_t>(std::clamp<int64_t>(cols - v * kN, 0, kN)));
+}
+template <int MR, int kV, bool kFull>
+HWY_INLINE void load_tile(V (*acc)[kV], const float* c, int64_t ldc, const hn::Mask<D>* mask,
+                          bool load_c) {
+  const D d;
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 24
+    for (int v = 0; v < kV; ++v) {
+      const float* src = c + i * ldc + v * kN;
+      if (!load_c) acc[i][v] = hn::Zero(d);
+      else if constexpr (kFull) acc[i][v] = hn::LoadU(d, src);
+      else acc[i][v] = hn::MaskedLoad(mask[v], d, src);
+    }
+}
+template <int MR, int kV, bool kFull>
+HWY_INLINE void store_tile(const V (*acc)[kV], float* c, int64_t ldc, const hn::Mask<D>* mask) {
+  const D d;
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 24
+    for (int v = 0; v < kV; ++v) {
+      float* dst = c + i * ldc + v * kN;
+      if constexpr (kFull) hn::StoreU(acc[i][v], d, dst);
+      else hn::BlendedStore(acc[i][v], mask[v], d, dst);
+    }
+}
+
+// One k of the tile's chains: kV vectors of B's row (aligned: a packed panel) against the
+// broadcasts of a(i) = a_col[i·stride].
+template <int MR, int kV, bool kFull, bool kAligned>
+HWY_INLINE void tile_step(V (*acc)[kV], const float* HWY_RESTRICT b_row,
+                          const float* HWY_RESTRICT a_col, int64_t stride, const hn::Mask<D>* mask) {
+  const D d;
+  V b[kV];
+#pragma GCC unroll 24
+  for (int v = 0; v < kV; ++v) {
+    if constexpr (!kFull) b[v] = hn::MaskedLoad(mask[v], d, b_row + v * kN);
+    else if constexpr (kAligned) b[v] = hn::Load(d, b_row + v * kN);
+    else b[v] = hn::LoadU(d, b_row + v * kN);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    const V a = hn::Set(d, a_col[i * stride]);
+#pragma GCC unroll 24
+    for (int v = 0; v < kV; ++v) acc[i][v] = hn::MulAdd(a, b[v], acc[i][v]);
+  }
+}
+
 // C[0..MR, 0..cols) (+)= Ap · Bp over kc, for one packed A micro-panel and one packed B panel
 // (rows of kNr floats). `load_c`: continue the chains stored in C (a later K block, or
 // accumulate); else start at +0.
@@ -317,27 +374,14 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
                                int64_t kc, float* c, int64_t ldc, bool load_c, int64_t cols,
                                int64_t lda) {
   const D d;
-  using M = hn::Mask<D>;
   constexpr bool kFull = kWidth == Width::Full;
   constexpr int kV = kWidth == Width::Half ? 1 : kNv;  // vectors per row
-  M mask[kV];
-  for (int v = 0; v < kV; ++v)
-    mask[v] = hn::FirstN(d, static_cast<size_t>(std::clamp<int64_t>(cols - v * kN, 0, kN)));
-  // Loops over the tile are fully unrolled (constant trip counts), so the accumulators live in
-  // registers.
+  hn::Mask<D> mask[kV];
+  column_masks<kV>(cols, mask);
   V acc[MR][kV];
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int v = 0; v < kV; ++v) {
-      const float* src = c + i * ldc + v * kN;
-      if (!load_c) acc[i][v] = hn::Zero(d);
-      else if constexpr (kFull) acc[i][v] = hn::LoadU(d, src);
-      else acc[i][v] = hn::MaskedLoad(mask[v], d, src);
-    }
+  load_tile<MR, kV, kFull>(acc, c, ldc, mask, load_c);
   // One step of the chains: a B row against the broadcasts of a(i) = a_col[i·stride].
   auto step = [&](const float* HWY_RESTRICT b_row, const float* HWY_RESTRICT a_col, int64_t stride) {
-    V b[kV];
     // AVX-512: the B row kBAheadRows further on (2 KiB; past the panel's end, the start of the
     // next panel, which the next call reads) is fetched into L1 now. Each k reads two lines of
     // B, and where the B slice is not yet in L2 (its first micro-panel, or an expert's weights
@@ -350,17 +394,7 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
 #pragma GCC unroll 4
       for (int64_t v = 0; v < kV * kN; v += kLineFloats)
         __builtin_prefetch(b_row + kBAheadRows * kNr + v);
-#pragma GCC unroll 4
-    for (int v = 0; v < kV; ++v) {
-      if constexpr (kFull) b[v] = hn::Load(d, b_row + v * kN);
-      else b[v] = hn::MaskedLoad(mask[v], d, b_row + v * kN);
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) {
-      const V a = hn::Set(d, a_col[i * stride]);
-#pragma GCC unroll 4
-      for (int v = 0; v < kV; ++v) acc[i][v] = hn::MulAdd(a, b[v], acc[i][v]);
-    }
+    tile_step<MR, kV, kFull, /*kAligned=*/true>(acc, b_row, a_col, stride, mask);
   };
   if constexpr (kA == AFrom::InPlace) {
 #pragma GCC unroll 4
@@ -377,14 +411,7 @@ HWY_NOINLINE void micro_kernel(const float* HWY_RESTRICT ap, const float* HWY_RE
       for (int64_t k = 0; k < n; ++k) step(b_chunk + k * kNr, a_chunk + k, kChunk);
     }
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int v = 0; v < kV; ++v) {
-      float* dst = c + i * ldc + v * kN;
-      if constexpr (kFull) hn::StoreU(acc[i][v], d, dst);
-      else hn::BlendedStore(acc[i][v], mask[v], d, dst);
-    }
+  store_tile<MR, kV, kFull>(acc, c, ldc, mask);
 }
 
 template <int... I>
@@ -962,8 +989,105 @@ void run_few_rows(const Problem& p, int threads) {
   }
 }
 
+// ------------------------------------------------------------------------------ few rows nn
+
+// C (+)= A·B for 1 to 2·kMr rows of A (an input gradient over an expert's few tokens): B's rows
+// (the weight's rows, k) are read in place, where the packed path copies B first and then reads
+// the copy for a few multiply-adds per weight. The register tile is a group of at most kMr rows
+// of A by as many vectors of columns as keep kMr·kNv accumulators (one row: 12 vectors on AVX2),
+// so each k reads one contiguous piece of B's row k; K goes in blocks of kFewNnK rows, each
+// block's chains handed on through C. Each C(i, j) is the one chain over k in order. Against
+// the packed path, two threads on AVX2, weights from DRAM: 704 × 1024 and 1024 × 704 at 1 row
+// 1.6-1.9x, 8 rows 1.5-1.8x, 12 rows 1.25-1.4x (docs/PERF.md, session 41).
+// 16 rows of B per block: 32 measured 0.87-0.94x on those weights (and 1.1-1.2x on the `small`
+// model's 320 × 256, which stay in L3), 8 rows 0.8-0.9x.
+constexpr int64_t kFewNnK = 16;
+constexpr int64_t kFewNnAcc = kMr * kNv;
+template <int MR>
+constexpr int few_nn_vectors() { return std::max<int>(kNv, static_cast<int>(kFewNnAcc) / MR); }
+constexpr int64_t kFewNnWidest = kFewNnAcc * kN;  // columns of a one-row tile
+
+// Rows [i0, i0 + MR) × columns [j, j + cols) over k in [k0, k0 + kb): B's row k at b + (k - k0)·ldb.
+// `prefetch`: fetch the same rows' next tile-width of columns as this tile passes them.
+template <int MR, bool kFull>
+HWY_INLINE void few_nn_tile(const Problem& p, int64_t i0, int64_t j, int64_t cols, int64_t k0,
+                            int64_t kb, const float* b, int64_t ldb, bool load_c, bool prefetch) {
+  const D d;
+  constexpr int kV = few_nn_vectors<MR>();
+  hn::Mask<D> mask[kV];
+  column_masks<kV>(cols, mask);
+  V acc[MR][kV];
+  float* const c = p.C + i0 * p.ldc + j;
+  load_tile<MR, kV, kFull>(acc, c, p.ldc, mask, load_c);
+  const float* a = p.A + i0 * p.lda + k0;
+  for (int64_t k = 0; k < kb; ++k, b += ldb) {
+    if (prefetch)
+#pragma GCC unroll 24
+      for (int v = 0; v < kV; v += static_cast<int>(kLineFloats / kN)) __builtin_prefetch(b + (kV + v) * kN);
+    tile_step<MR, kV, kFull, /*kAligned=*/false>(acc, b, a + k, p.lda, mask);
+  }
+  store_tile<MR, kV, kFull>(acc, c, p.ldc, mask);
+}
+
+// One row group across columns [j0, j1) for one K block. B produced a row at a time
+// (gemm_nn_serial_rows) goes through a small buffer on the stack, a tile's columns at a time.
+template <int MR>
+void few_nn_rows(const Problem& p, int64_t i0, int64_t j0, int64_t j1, int64_t k0, int64_t kb,
+                 bool load_c, bool prefetch) {
+  constexpr int64_t kWidth = few_nn_vectors<MR>() * kN;
+  alignas(64) float produced[kFewNnK * kFewNnWidest];
+  for (int64_t j = j0; j < j1; j += kWidth) {
+    const int64_t cols = std::min(kWidth, j1 - j);
+    const float* b = p.B + k0 * p.ldb + j;
+    int64_t ldb = p.ldb;
+    if (p.rows) {
+      for (int64_t k = 0; k < kb; ++k)
+        p.rows->row(p.rows->ctx, p.rows_k0 + k0 + k, j, cols, produced + k * kWidth);
+      b = produced, ldb = kWidth;
+    }
+    if (cols == kWidth) few_nn_tile<MR, true>(p, i0, j, cols, k0, kb, b, ldb, load_c, prefetch && !p.rows);
+    else few_nn_tile<MR, false>(p, i0, j, cols, k0, kb, b, ldb, load_c, prefetch && !p.rows);
+  }
+}
+
+template <int... I>
+constexpr auto few_nn_table(std::integer_sequence<int, I...>) {
+  using Fn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool);
+  return std::array<Fn, sizeof...(I)>{&few_nn_rows<I + 1>...};
+}
+const auto kFewNnRows = few_nn_table(std::make_integer_sequence<int, kMr>{});
+
+void run_few_rows_nn(const Problem& p, int threads) {
+  // Row groups of at most kMr rows, as even as possible (8 rows: 4 + 4, not 6 + 2).
+  const int64_t groups = ceil_div(p.M, kMr);
+  // On one thread, whole rows of B per K block: as many sequential streams as the block has
+  // rows (1.04-1.2x over parts of 384 columns); on more, parts of 768 columns.
+  const int64_t part = threads <= 1 ? p.N : 768;
+  const int64_t tasks = ceil_div(p.N, part);
+  for_items(threads, tasks, /*dynamic=*/false, [&](int64_t t) {
+    const int64_t j0 = t * part, j1 = std::min(p.N, j0 + part);
+    for (int64_t k0 = 0; k0 < p.K; k0 += kFewNnK) {
+      const int64_t kb = std::min(kFewNnK, p.K - k0);
+      const bool load_c = p.accumulate || k0 > 0;
+      for (int64_t g = 0, i0 = 0; g < groups; ++g) {
+        const int64_t rows = (p.M - i0) / (groups - g);
+        kFewNnRows[static_cast<size_t>(rows - 1)](p, i0, j0, j1, k0, kb, load_c, g == 0);
+        i0 += rows;
+      }
+    }
+  });
+}
+
 bool runs_few_rows(Layout layout, int64_t M) {
   return layout == Layout::NT && M > kSkinnyRows && M <= kNr;
+}
+// At most two row groups: each group reads the K block of B again (from L1), and a third made
+// 16 rows 0.8-0.97x the packed path on two threads against 4096 × 1024 weights. And only where B
+// overflows the L2: packing a B that fits costs a pass within the L2, and the packed path then
+// writes C once, where this one writes it once per 16 rows of B (the `small` model's 256 × 320
+// experts, from L3: 0.5-1.0x).
+bool runs_few_rows_nn(Layout layout, int64_t M, int64_t N, int64_t K) {
+  return layout == Layout::NN && M <= 2 * kMr && K * N * kFloatBytes > l2_cache_bytes();
 }
 
 // nt with few rows of A (tokens) against many of B (weights: an expert's projection) runs
@@ -999,6 +1123,7 @@ Problem transposed(const Problem& p) {
 void run_any(const Problem& p, int threads, int64_t max_packed_b) {
   if (runs_few_rows(p.layout, p.M))
     return p.M <= kN ? run_few_rows<1>(p, threads) : run_few_rows<2>(p, threads);
+  if (runs_few_rows_nn(p.layout, p.M, p.N, p.K)) return run_few_rows_nn(p, threads);
   if (transposed_pays(p.layout, p.M, p.N, p.K, max_packed_b))
     return run_sliced(transposed(p), threads, max_packed_b);
   if (p.layout == Layout::NT && p.M <= kSkinnyRows) {
@@ -1017,6 +1142,7 @@ void run_any(const Problem& p, int threads, int64_t max_packed_b) {
 ScratchFloats scratch_floats(Layout layout, int64_t M, int64_t N, int64_t K,
                              int64_t max_packed_b) {
   if (runs_few_rows(layout, M)) return {std::min(few_slice_k(M), K) * few_lanes(M), 0};
+  if (runs_few_rows_nn(layout, M, N, K)) return {};
   const bool c_transposed = transposed_pays(layout, M, N, K, max_packed_b);
   if (c_transposed) std::swap(M, N);
   else if (layout == Layout::NT && M <= kSkinnyRows) return {};
