@@ -101,8 +101,8 @@ size_t first_difference(const std::vector<float>& a, const std::vector<float>& b
 // Shapes around every block edge of the kernels: register tiles (6/12 rows, 16/32 columns; last
 // panels of at most one vector, 8/16 columns, run a one-vector tile), row blocks of 48/96, K
 // blocks (≤ 320 on AVX2, ≤ 512 on AVX-512, split evenly), B blocks of 512/1024 columns,
-// one-element and empty-remainder cases, the skinny (M <= 4) nt path and the few-row nt and nn
-// paths (up to 16/32 rows).
+// one-element and empty-remainder cases, the skinny (M <= 4) nt path and the few-row nt path (up
+// to 16/32 rows; nn's few-row path needs a B larger than the L2: FewRowsReadTheWeightsInPlace).
 const std::vector<std::array<int64_t, 3>> kShapes = {
     {1, 1, 1},     {1, 17, 5},    {7, 13, 5},    {12, 32, 320},  {13, 33, 321}, {6, 16, 300},
     {12, 32, 512}, {13, 33, 513},
@@ -260,8 +260,8 @@ TEST(Gemm, FewRowsReadTheWeightsInPlaceWithTheSameBits) {
   // the next rows are fetched half a row on) and of 1,103, K = 4,200 (nt: xt in slices, the
   // chains continuing through C), and for nn 1-25 rows and K = 16,000 (B of 2.4 MB, over any L2
   // here; K = 1,100 packs), 37 weight rows or columns (partial groups and tiles); serial, on one thread
-  // and on two. Then 1,031 weight rows (nt) and 1,000 columns at a stride of 1,024 (nn, 2.8 MB)
-  // over 1-3 threads.
+  // and on two. Then 1,031 weight rows (nt), 1,000 columns at a stride of 1,024 (nn, 2.8 MB) and
+  // 1-4 rows against 800 × 800 (nn: whole one- to four-row tiles) over 1-3 threads.
   const int before = num_threads();
   for_each_simd_target([](simd::Target) {
     uint64_t seed = 500;
@@ -287,12 +287,17 @@ TEST(Gemm, FewRowsReadTheWeightsInPlaceWithTheSameBits) {
                 << op_name(op) << " M=" << M << " K=" << K << " threads 2";
           }
     const Case nt = make_case(Op::NT, 12, 1031, 1000, 77, 24);
-    const Case nn = make_case(Op::NN, 12, 1000, 700, 78, 24);
-    const auto nn_want = reference(nn, true);
+    std::vector<Case> nn = {make_case(Op::NN, 12, 1000, 700, 78, 24)};
+    for (int64_t M : {1, 2, 3, 4})  // whole tiles of 1-4 rows (96, 48, 32, 24 columns on AVX2)
+      nn.push_back(make_case(Op::NN, M, 800, 800, 79 + M, 0));
+    std::vector<std::vector<float>> nn_want;
+    for (const Case& c : nn) nn_want.push_back(reference(c, true));
     for (int threads : {1, 2, 3}) {
       set_num_threads(threads);
       ASSERT_TRUE(rows_match_rows_alone(nt, run(nt, true), true)) << "nt threads " << threads;
-      ASSERT_TRUE(same_bits(run(nn, true), nn_want)) << "nn threads " << threads;
+      for (size_t q = 0; q < nn.size(); ++q)
+        ASSERT_TRUE(same_bits(run(nn[q], true), nn_want[q]))
+            << "nn M=" << nn[q].M << " N=" << nn[q].N << " threads " << threads;
     }
   });
   set_num_threads(before);
@@ -338,6 +343,7 @@ TEST(Gemm, ProducedRowsOfBAreTheSameChain) {
   };
   std::vector<std::array<int64_t, 3>> shapes = kShapes;
   shapes.push_back({13, 40, 9000});
+  shapes.push_back({7, 40, 16000});  // nn's few-row path (B of 2.6 MB, over any L2 here)
   for_each_simd_target([&](simd::Target) {
     for (const auto& [M, N, K] : shapes) {
       const Case c = make_case(Op::NN, M, N, K, 37 + static_cast<uint64_t>(M * N + K), 2);

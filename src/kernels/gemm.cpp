@@ -1038,12 +1038,13 @@ void few_nn_rows(const Problem& p, int64_t i0, int64_t j0, int64_t j1, int64_t k
   alignas(64) float produced[kFewNnK * kFewNnWidest];
   for (int64_t j = j0; j < j1; j += kWidth) {
     const int64_t cols = std::min(kWidth, j1 - j);
-    const float* b = p.B + k0 * p.ldb + j;
-    int64_t ldb = p.ldb;
+    const float* b = produced;
+    int64_t ldb = kWidth;
     if (p.rows) {
       for (int64_t k = 0; k < kb; ++k)
         p.rows->row(p.rows->ctx, p.rows_k0 + k0 + k, j, cols, produced + k * kWidth);
-      b = produced, ldb = kWidth;
+    } else {
+      b = p.B + k0 * p.ldb + j, ldb = p.ldb;
     }
     if (cols == kWidth) few_nn_tile<MR, true>(p, i0, j, cols, k0, kb, b, ldb, load_c, prefetch && !p.rows);
     else few_nn_tile<MR, false>(p, i0, j, cols, k0, kb, b, ldb, load_c, prefetch && !p.rows);
