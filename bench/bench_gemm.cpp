@@ -5,7 +5,10 @@
 //    engine; nt for the libraries), and the best as a fraction of the FMA peak of the target,
 //    measured right before;
 //  * contract: does a row computed alone equal the same row inside a 1,000-row call (bitwise)?
-//    do 1 and all threads give the same bits? (what expert parallelism needs to be exact).
+//    do 1 and all threads give the same bits? (what expert parallelism needs to be exact);
+//  * few rows (--few-rows): 1-16 rows against 4096 × 1024 weights cycled from DRAM (decoding a
+//    few sequences, an expert's few tokens, its input gradient), nt and nn, as weight bytes read
+//    per second against the DRAM read measured right before, per target.
 // The libraries are opened with dlopen when installed (libopenblas0-openmp, libblis4-openmp,
 // libdnnl2), so none of them is a build dependency; a missing one prints "not installed".
 #include <dlfcn.h>
@@ -24,6 +27,7 @@
 #include "core/simd.h"
 #include "kernels/fma_peak.h"
 #include "kernels/gemm.h"
+#include "kernels/read_bandwidth.h"
 
 using namespace moe;
 
@@ -136,6 +140,53 @@ std::pair<int, bool> contract(const Candidate& c, int threads) {
   return {differ, std::memcmp(all.data(), one_thread.data(), sizeof(float) * all.size()) == 0};
 }
 
+// Products of a few rows against weights too large for any cache: per call, one 4096 × 1024
+// matrix of a set that is at least 3x the last-level cache, taken in turn, so every call streams
+// its weights from DRAM.
+void few_rows(int threads, int reps) {
+  const int64_t rows = 4096, cols = 1024, bytes = rows * cols * 4;
+  const int64_t count = std::clamp<int64_t>(3 * last_level_cache_bytes() / bytes + 1, 4, 64);
+  std::vector<std::vector<float>> w;
+  for (int64_t i = 0; i < count; ++i) w.push_back(random_floats(rows * cols, 100 + static_cast<uint64_t>(i)));
+  const auto x = random_floats(16 * rows, 5);
+  std::vector<float> y(static_cast<size_t>(16 * rows));
+  fmt::print("\nFew rows against {} weight matrices of {} × {} ({} MB), taken in turn from DRAM; "
+             "nt: y = x·Wᵀ, nn: dx = dy·W; median of {} passes over the set\n\n",
+             count, rows, cols, count * bytes / 1000000, reps);
+  fmt::print("| target | DRAM read GB/s | rows | nt GFLOP/s | nt weights GB/s (of DRAM) | nn GFLOP/s | nn weights GB/s (of DRAM) |\n");
+  fmt::print("|---|---|---|---|---|---|---|\n");
+  auto seconds_per_call = [&](const std::function<void(const float*)>& call) {
+    for (const auto& m : w) call(m.data());  // warm-up: page faults, scratch
+    std::vector<double> s;
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (const auto& m : w) call(m.data());
+      s.push_back(seconds_since(t0) / static_cast<double>(count));
+    }
+    std::sort(s.begin(), s.end());
+    return s[s.size() / 2];
+  };
+  const simd::Target before = simd::current();
+  for (simd::Target t : simd::supported()) {
+    if (t == simd::Target::Scalar) continue;
+    simd::select(t);
+    const double dram = measure_dram_read_gbs(threads);
+    for (int64_t m : {1, 4, 8, 16}) {
+      const double nt = seconds_per_call([&](const float* W) {
+        gemm_nt(m, rows, cols, x.data(), cols, W, cols, y.data(), rows, false);
+      });
+      const double nn = seconds_per_call([&](const float* W) {
+        gemm_nn(m, cols, rows, x.data(), rows, W, cols, y.data(), cols, false);
+      });
+      const double flops = 2.0 * static_cast<double>(m * rows * cols);
+      fmt::print("| {} | {:.1f} | {} | {:.1f} | {:.1f} ({:.2f}) | {:.1f} | {:.1f} ({:.2f}) |\n",
+                 simd::name(t), dram, m, flops / nt / 1e9, bytes / nt / 1e9, bytes / nt / 1e9 / dram,
+                 flops / nn / 1e9, bytes / nn / 1e9, bytes / nn / 1e9 / dram);
+    }
+  }
+  simd::select(before);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -147,6 +198,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads);
   app.add_option("--reps", reps, "timed calls per figure (after one warm-up)");
   app.add_option("--libraries", libraries, "also time OpenBLAS, BLIS and oneDNN when installed");
+  bool few = true;
+  app.add_option("--few-rows", few, "also time 1-16 rows against weights from DRAM, vs the DRAM read");
   CLI11_PARSE(app, argc, argv);
   set_num_threads(threads);
   const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
@@ -169,6 +222,7 @@ int main(int argc, char** argv) {
                nt.best / peak, nn.best / peak, tn.best / peak);
   }
   simd::select(before);
+  if (few) few_rows(threads, reps);
   if (!libraries) return 0;
 
   const double peak = measure_fma_peak(threads).gflops;
