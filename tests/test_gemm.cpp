@@ -211,11 +211,12 @@ TEST(Gemm, TallRowBlocksAndTheirTailAreTheFmaChain) {
 }
 
 TEST(Gemm, FewRowsAgainstLargeWeightsRunTransposedWithTheSameBits) {
-  // nt with 17-256 rows (33-256 on AVX-512) against weights whose packed copy overflows half the L2 (4.5 MiB here)
-  // computes Cᵀ = B·Aᵀ and transposes C tiles on their way out. Every row against the same row
-  // computed alone (the skinny path), sampled elements against the chain, and the whole product
-  // the same at 1, 2 and 3 threads and serial; with A's rows in place (stride 1,100) and copied
-  // (2,048), partial panels (20, 45, 100 rows) and partial micro-panels (1,030 weight rows).
+  // nt with 17-256 rows (33-256 on AVX-512) against weights whose packed copy overflows half the
+  // L2 (4.5 MiB here) computes Cᵀ = B·Aᵀ and transposes C tiles on their way out. Every row
+  // against the same row computed alone (the skinny path), sampled elements against the chain,
+  // and the whole product the same at 1, 2 and 3 threads and serial; with A's rows in place
+  // (stride 1,100) and copied (2,048), partial panels (20, 45, 100 rows) and partial
+  // micro-panels (1,030 weight rows).
   const int before = num_threads();
   for_each_simd_target([](simd::Target t) {
     if (t == simd::Target::Scalar) return;
@@ -259,9 +260,9 @@ TEST(Gemm, FewRowsReadTheWeightsInPlaceWithTheSameBits) {
   // packed paths past them), a weight stride of 1,024 floats (nt: the rows share an L1 set, so
   // the next rows are fetched half a row on) and of 1,103, K = 4,200 (nt: xt in slices, the
   // chains continuing through C), and for nn 1-25 rows and K = 16,000 (B of 2.4 MB, over any L2
-  // here; K = 1,100 packs), 37 weight rows or columns (partial groups and tiles); serial, on one thread
-  // and on two. Then 1,031 weight rows (nt), 1,000 columns at a stride of 1,024 (nn, 2.8 MB) and
-  // 1-4 rows against 800 × 800 (nn: whole one- to four-row tiles) over 1-3 threads.
+  // here; K = 1,100 packs), 37 weight rows or columns (partial groups and tiles); serial, on one
+  // thread and on two. Then 1,031 weight rows (nt), 1,000 columns at a stride of 1,024 (nn,
+  // 2.8 MB) and 1-4 rows against 800 × 800 (nn: whole one- to four-row tiles) over 1-3 threads.
   const int before = num_threads();
   for_each_simd_target([](simd::Target) {
     uint64_t seed = 500;
@@ -276,10 +277,11 @@ TEST(Gemm, FewRowsReadTheWeightsInPlaceWithTheSameBits) {
             const Case c = make_case(op, M, 37, K, seed++, pad);
             const auto want = reference(c, accumulate);
             set_num_threads(1);
-            ASSERT_TRUE(same_bits(run(c, accumulate), want))
+            const auto got = run(c, accumulate);
+            ASSERT_TRUE(same_bits(got, want))
                 << op_name(op) << " M=" << M << " K=" << K << " ldb=" << c.ldb
                 << " accumulate=" << accumulate
-                << " first difference at " << first_difference(run(c, accumulate), want);
+                << " first difference at " << first_difference(got, want);
             ASSERT_TRUE(same_bits(run(c, accumulate, true), want))
                 << op_name(op) << " M=" << M << " K=" << K << " serial";
             set_num_threads(2);

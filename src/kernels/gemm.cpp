@@ -499,18 +499,19 @@ struct PackedB {
 constexpr int64_t kSliceBytes = 512 * 1024;
 
 // How many of the L1's 64 sets the lines at one column of `rows` rows ld floats apart fall in.
-// nt and nn read A's rows in place, without a packed copy, where the kMr rows of a
-// micro-panel spread over at least half as many of the L1's 64 sets (one line of each row is
-// live at a time): the copy was 7.6% of a `small` training step, which runs 1-2% faster
-// without it. A row stride near a multiple of 4 KiB puts the rows in a few sets, where B's
-// stream evicts them: 2048³ (nt, nn) with its rows in place ran 0.66-0.68 of the FMA peak
-// against 0.65-0.74 copied, so those strides keep the copy (docs/PERF.md, session 27).
 int64_t l1_sets_of_rows(int64_t ld, int64_t rows) {
   constexpr int64_t kL1Sets = 64;
   uint64_t sets = 0;
   for (int64_t i = 0; i < rows; ++i) sets |= uint64_t{1} << (i * ld / kLineFloats % kL1Sets);
   return std::popcount(sets);
 }
+
+// nt and nn read A's rows in place, without a packed copy, where the kMr rows of a
+// micro-panel spread over at least half as many of the L1's 64 sets (one line of each row is
+// live at a time): the copy was 7.6% of a `small` training step, which runs 1-2% faster
+// without it. A row stride near a multiple of 4 KiB puts the rows in a few sets, where B's
+// stream evicts them: 2048³ (nt, nn) with its rows in place ran 0.66-0.68 of the FMA peak
+// against 0.65-0.74 copied, so those strides keep the copy (docs/PERF.md, session 27).
 bool rows_in_place(int64_t lda) { return l1_sets_of_rows(lda, kMr) >= kMr / 2; }
 
 // The C tile at (i, j) of the next micro-kernel call (rows below i1, columns below j1), fetched
@@ -867,15 +868,21 @@ void skinny_columns(const Problem& p, int64_t j0) {
   for (int i = 0; i < M; ++i) hn::BlendedStore(acc[i], col_mask, d, p.C + i * p.ldc + j0);
 }
 
+// The N rows of B in groups of `rows` (from j0 = 0, rows, 2·rows, ...) handed to group(j0), four
+// groups per task: the nt paths that read B's rows in place.
+template <class F>
+void for_row_groups(const Problem& p, int threads, int64_t rows, const F& group) {
+  constexpr int64_t kGroupsPerTask = 4;
+  const int64_t groups = ceil_div(p.N, rows), tasks = ceil_div(groups, kGroupsPerTask);
+  for_items(threads, tasks, /*dynamic=*/false, [&](int64_t t) {
+    for (int64_t g = t * kGroupsPerTask; g < std::min(groups, (t + 1) * kGroupsPerTask); ++g)
+      group(g * rows);
+  });
+}
+
 template <int M>
 void run_skinny(const Problem& p, int threads) {
-  constexpr int64_t kGroupsPerTask = 4;
-  const int64_t groups = ceil_div(p.N, kN), tasks = ceil_div(groups, kGroupsPerTask);
-  auto task = [&](int64_t t) {
-    for (int64_t g = t * kGroupsPerTask; g < std::min(groups, (t + 1) * kGroupsPerTask); ++g)
-      skinny_columns<M>(p, g * kN);
-  };
-  for_items(threads, tasks, /*dynamic=*/false, task);
+  for_row_groups(p, threads, kN, [&](int64_t j0) { skinny_columns<M>(p, j0); });
 }
 
 // ------------------------------------------------------------------------------ few rows nt
@@ -889,8 +896,8 @@ void run_skinny(const Problem& p, int threads) {
 // no transposition of W at all. The accumulators are columns j of C (lanes: rows i), so C goes
 // in and out through a small tile; each C(i, j) is still the one chain over k in order
 // (fma(w, x, c) = fma(x, w, c) bit for bit). Against the packed path (and the transposed one at
-// kNr rows), W from DRAM, two threads on AVX2: 704 × 1024 weights 1.5-1.7x at 5-15 rows and
-// 2.0x at 16; gemm_nt of 8 rows against 4096 × 1024 2.1x (docs/PERF.md, session 41).
+// kNr rows), W from DRAM, two threads on AVX2: 704 × 1024 weights 1.7-2.3x at 5-12 rows and
+// 1.5-2.0x at 16; gemm_nt of 8 rows against 4096 × 1024 2.1-3.9x (docs/PERF.md, session 41).
 // Six W rows: where the row stride is a multiple of 4 KiB (K = 1024, 2048, 7168) the six lines
 // being read share one L1 set, and the 8-way sets leave room for little else (twelve rows ran
 // at half the speed there, and no faster elsewhere).
@@ -927,7 +934,8 @@ HWY_INLINE void few_rows_group(const Problem& p, const float* HWY_RESTRICT xt, i
   // with them inside it behind a test of k, two W pointers lived on the stack.
   const int64_t ahead = next_lines_ahead(p.ldb, kJ, kn), wrap = round_up(kn, kLineFloats);
   for (int64_t k0 = 0; k0 < kn; k0 += kLineFloats) {
-    for (int64_t q = 0; q < next_rows; ++q) __builtin_prefetch(next + q * p.ldb + (k0 + ahead) % wrap);
+    for (int64_t q = 0; q < next_rows; ++q)
+      __builtin_prefetch(next + q * p.ldb + (k0 + ahead) % wrap);
     const int64_t k1 = std::min(kn, k0 + kLineFloats);
     for (int64_t k = k0; k < k1; ++k) {
       V x[kV];
@@ -949,14 +957,15 @@ HWY_INLINE void few_rows_group(const Problem& p, const float* HWY_RESTRICT xt, i
     for (int64_t r = 0; r < rows; ++r) p.C[i * p.ldc + j0 + r] = tile[r][i];
 }
 
-// x rows [0, M) × k's [k0, k0 + kn) into xt[k · lanes + i], zeros for i >= M: kN × kN squares
-// transposed in registers.
+// x rows [0, M) × k's [k0, k0 + kn) into xt[k · lanes + i], zeros for i >= M (lanes is M rounded
+// up to whole vectors, so every square starts at a real row): kN × kN squares transposed in
+// registers.
 void pack_x_k_major(const Problem& p, int64_t k0, int64_t kn, int64_t lanes, float* xt) {
   const D d;
   for (int64_t i0 = 0; i0 < lanes; i0 += kN)
     for (int64_t k = 0; k < kn; k += kN) {
       const int64_t rows = std::clamp<int64_t>(p.M - i0, 0, kN), cols = std::min(kN, kn - k);
-      with_transposed_square(p.A + std::min(i0, p.M - 1) * p.lda + k0 + k, p.lda, rows, cols,
+      with_transposed_square(p.A + i0 * p.lda + k0 + k, p.lda, rows, cols,
                              [&](const V* r) {
                                for (int64_t c = 0; c < cols; ++c)
                                  hn::Store(r[c], d, xt + (k + c) * lanes + i0);
@@ -966,26 +975,23 @@ void pack_x_k_major(const Problem& p, int64_t k0, int64_t kn, int64_t lanes, flo
 
 int64_t few_lanes(int64_t M) { return round_up(M, kN); }
 int64_t few_slice_k(int64_t M) {
-  return std::max<int64_t>(kLineFloats, kFewSliceBytes / kFloatBytes / few_lanes(M)) / kLineFloats * kLineFloats;
+  const int64_t k = std::max<int64_t>(kLineFloats, kFewSliceBytes / kFloatBytes / few_lanes(M));
+  return k / kLineFloats * kLineFloats;
 }
 
 template <int kV>
 void run_few_rows(const Problem& p, int threads) {
   constexpr int64_t kLanes = kV * kN;
-  constexpr int64_t kGroupsPerTask = 4;
   const int64_t slice = few_slice_k(p.M);
   float* xt = kernel_scratch(0, std::min(slice, p.K) * kLanes);
-  const int64_t groups = ceil_div(p.N, kFewW), tasks = ceil_div(groups, kGroupsPerTask);
   for (int64_t k0 = 0; k0 < p.K; k0 += slice) {
     const int64_t kn = std::min(slice, p.K - k0);
     pack_x_k_major(p, k0, kn, kLanes, xt);
     Problem q = p;
     q.B = p.B + k0;
     const bool load_c = p.accumulate || k0 > 0;
-    for_items(threads, tasks, /*dynamic=*/false, [&](int64_t t) {
-      for (int64_t g = t * kGroupsPerTask; g < std::min(groups, (t + 1) * kGroupsPerTask); ++g)
-        few_rows_group<kV, kFewW>(q, xt, g * kFewW, kn, load_c);
-    });
+    for_row_groups(q, threads, kFewW,
+                   [&](int64_t j0) { few_rows_group<kV, kFewW>(q, xt, j0, kn, load_c); });
   }
 }
 
@@ -998,7 +1004,7 @@ void run_few_rows(const Problem& p, int threads) {
 // so each k reads one contiguous piece of B's row k; K goes in blocks of kFewNnK rows, each
 // block's chains handed on through C. Each C(i, j) is the one chain over k in order. Against
 // the packed path, two threads on AVX2, weights from DRAM: 704 × 1024 and 1024 × 704 at 1 row
-// 1.6-1.9x, 8 rows 1.5-1.8x, 12 rows 1.25-1.4x (docs/PERF.md, session 41).
+// 1.7-2.1x, 8 rows 1.6-2.1x, 12 rows 1.1-1.6x (docs/PERF.md, session 41).
 // 16 rows of B per block: 32 measured 0.87-0.94x on those weights (and 1.1-1.2x on the `small`
 // model's 320 × 256, which stay in L3), 8 rows 0.8-0.9x.
 constexpr int64_t kFewNnK = 16;
@@ -1007,7 +1013,8 @@ template <int MR>
 constexpr int few_nn_vectors() { return std::max<int>(kNv, static_cast<int>(kFewNnAcc) / MR); }
 constexpr int64_t kFewNnWidest = kFewNnAcc * kN;  // columns of a one-row tile
 
-// Rows [i0, i0 + MR) × columns [j, j + cols) over k in [k0, k0 + kb): B's row k at b + (k - k0)·ldb.
+// Rows [i0, i0 + MR) × columns [j, j + cols) over k in [k0, k0 + kb): B's row k at
+// b + (k - k0)·ldb.
 // `prefetch`: fetch the same rows' next tile-width of columns as this tile passes them.
 template <int MR, bool kFull>
 HWY_INLINE void few_nn_tile(const Problem& p, int64_t i0, int64_t j, int64_t cols, int64_t k0,
@@ -1023,7 +1030,8 @@ HWY_INLINE void few_nn_tile(const Problem& p, int64_t i0, int64_t j, int64_t col
   for (int64_t k = 0; k < kb; ++k, b += ldb) {
     if (prefetch)
 #pragma GCC unroll 24
-      for (int v = 0; v < kV; v += static_cast<int>(kLineFloats / kN)) __builtin_prefetch(b + (kV + v) * kN);
+      for (int v = 0; v < kV; v += static_cast<int>(kLineFloats / kN))
+        __builtin_prefetch(b + (kV + v) * kN);
     tile_step<MR, kV, kFull, /*kAligned=*/false>(acc, b, a + k, p.lda, mask);
   }
   store_tile<MR, kV, kFull>(acc, c, p.ldc, mask);
@@ -1046,8 +1054,9 @@ void few_nn_rows(const Problem& p, int64_t i0, int64_t j0, int64_t j1, int64_t k
     } else {
       b = p.B + k0 * p.ldb + j, ldb = p.ldb;
     }
-    if (cols == kWidth) few_nn_tile<MR, true>(p, i0, j, cols, k0, kb, b, ldb, load_c, prefetch && !p.rows);
-    else few_nn_tile<MR, false>(p, i0, j, cols, k0, kb, b, ldb, load_c, prefetch && !p.rows);
+    const bool ahead = prefetch && !p.rows;
+    if (cols == kWidth) few_nn_tile<MR, true>(p, i0, j, cols, k0, kb, b, ldb, load_c, ahead);
+    else few_nn_tile<MR, false>(p, i0, j, cols, k0, kb, b, ldb, load_c, ahead);
   }
 }
 
